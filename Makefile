@@ -1,0 +1,38 @@
+# Quick start:  make demo   (set up, then a GRPO run on the built-in tiny model and task)
+#               make test   (set up, then the whole test suite)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# One torch thread is often several times faster than two for tiny models on small CPUs.
+export OMP_NUM_THREADS ?= 1
+export LRL_NUM_THREADS ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup demo test lint embedded-model clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# The CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VENV)/bin/lightning-rl fit --config configs/sft.yaml
+
+test: setup
+	$(VENV)/bin/pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+# Rebuild the warm-started model shipped in data/tiny_sort from scratch with configs/sft.yaml.
+embedded-model: setup
+	rm -rf runs/embedded
+	$(VENV)/bin/lightning-rl fit --config configs/sft.yaml --trainer.logger.init_args.save_dir runs/embedded
+	rm -rf data/tiny_sort && cp -r runs/embedded/lightning-rl/version_0/policy data/tiny_sort
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info runs

@@ -1,0 +1,33 @@
+"""Write the trained policy as a ``save_pretrained`` folder when training ends."""
+
+from __future__ import annotations
+
+import os
+
+import lightning as L
+from lightning.pytorch.utilities import rank_zero_info
+
+
+class ExportPolicy(L.Callback):
+    """Save the policy and tokenizer with ``save_pretrained`` at the end of ``fit``.
+
+    The folder loads directly with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer``.
+
+    Args:
+        dirpath: target folder; ``None`` writes ``<trainer.log_dir>/policy``.
+    """
+
+    def __init__(self, dirpath: str | None = None) -> None:
+        self.dirpath = dirpath
+
+    def target(self, trainer: L.Trainer) -> str:
+        if self.dirpath is not None:
+            return self.dirpath
+        return os.path.join(trainer.log_dir or trainer.default_root_dir, "policy")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        path = self.target(trainer)
+        if trainer.is_global_zero:
+            pl_module.save_pretrained(path)
+            rank_zero_info(f"policy saved to {path}")
+        trainer.strategy.barrier()

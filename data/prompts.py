@@ -1,0 +1,213 @@
+"""PromptDataModule: prompts (and any other columns) for online RL, SFT and evaluation.
+
+Rows are plain dicts of strings; tokenisation happens in the LightningModule, which owns the
+tokenizer. The training stream is an endless, seeded sequence of prompt batches whose position is
+part of the checkpoint, so a resumed run sees exactly the prompts an uninterrupted run would. Each
+rank takes its own slice of every global batch, and the G samples of a prompt are drawn on the rank
+that holds the prompt, so groups are never split across ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning_rl.data.sort_task import SortTask
+from torch.utils.data import DataLoader, IterableDataset
+
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def load_rows(path: str, split: str = "train", name: str | None = None) -> list[dict[str, Any]]:
+    """Load a table as a list of dict rows.
+
+    ``path`` is a JSONL / JSON / CSV / Parquet file, a folder written by ``datasets.save_to_disk``, or
+    a dataset name on the Hugging Face hub (loaded with ``datasets.load_dataset``).
+    """
+    import datasets
+
+    local = Path(path)
+    if local.is_dir() and any((local / f).exists() for f in ("dataset_info.json", "dataset_dict.json", "state.json")):
+        ds = datasets.load_from_disk(str(local))
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise ValueError(f"split `{split}` not in the saved dataset at {path}; it has {sorted(ds)}")
+            ds = ds[split]
+    elif local.suffix in FILE_BUILDERS:
+        if not local.exists():
+            raise FileNotFoundError(f"data file not found: {path}")
+        ds = datasets.load_dataset(FILE_BUILDERS[local.suffix], data_files=str(local), split="train")
+    else:
+        ds = datasets.load_dataset(path, name, split=split)
+    return ds.to_list()
+
+
+def check_rows(rows: list[dict[str, Any]], columns: dict[str, str | None], source: str) -> None:
+    """Raise a ``ValueError`` naming the source, key, column and row for unusable data.
+
+    Args:
+        rows: the loaded rows.
+        columns: ``{config key: column name}``; a ``None`` column is not required.
+        source: where the rows came from, for the message.
+    """
+    if not rows:
+        raise ValueError(f"dataset {source} is empty")
+    for key, column in columns.items():
+        if column is None:
+            continue
+        if column not in rows[0]:
+            raise ValueError(f"`{key}`: column `{column}` not in dataset {source}; it has {sorted(rows[0])}")
+        for i, row in enumerate(rows):
+            value = row.get(column)
+            if value is None or (isinstance(value, (str, list)) and len(value) == 0):
+                raise ValueError(f"dataset {source}, row {i}: column `{column}` ({key}) is empty")
+
+
+class PromptStream(IterableDataset):
+    """An endless, seeded stream of prompt batches for one rank.
+
+    Global batch ``k`` is rows ``perm_e[j*G : (j+1)*G]`` of epoch ``e``'s permutation, where ``G`` is
+    ``batch_size * world_size``; this rank yields its own ``batch_size`` rows of it. Batches are a
+    pure function of (seed, k), so starting at ``start`` reproduces an uninterrupted run.
+    """
+
+    def __init__(self, rows, batch_size: int, seed: int, shuffle: bool, rank: int, world_size: int, start: int):
+        self.rows, self.batch_size, self.seed, self.shuffle = rows, batch_size, seed, shuffle
+        self.rank, self.world_size, self.start = rank, world_size, start
+        self.global_batch = batch_size * world_size
+        self.per_epoch = len(rows) // self.global_batch
+        if self.per_epoch == 0:
+            raise ValueError(
+                f"`batch_size`={batch_size} x world size {world_size} is larger than the dataset ({len(rows)} rows)"
+            )
+
+    def _order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.rows)))
+        g = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.rows), generator=g).tolist()
+
+    def __iter__(self) -> Iterator[dict[str, list]]:
+        k, epoch, order = self.start, None, []
+        while True:
+            if k // self.per_epoch != epoch:
+                epoch = k // self.per_epoch
+                order = self._order(epoch)
+            lo = (k % self.per_epoch) * self.global_batch + self.rank * self.batch_size
+            yield collate([self.rows[i] for i in order[lo : lo + self.batch_size]])
+            k += 1
+
+
+def collate(rows: list[dict[str, Any]]) -> dict[str, list]:
+    """Rows -> a dict of columns (lists), keeping every column for reward functions."""
+    return {key: [row[key] for row in rows] for key in rows[0]}
+
+
+class PromptDataModule(L.LightningDataModule):
+    """Prompts for RL and SFT: the built-in sort task by default, or your own data.
+
+    Args:
+        path: a JSONL / JSON / CSV / Parquet file, a ``save_to_disk`` folder or a hub dataset name;
+            ``None`` uses the built-in sort task.
+        val_path: held-out data in the same forms; ``None`` takes ``val_split`` of ``path`` if it
+            exists, else the built-in task's held-out set (built-in only), else no validation.
+        split: split of ``path`` to train on.
+        val_split: split of ``path`` (or ``val_path``) to validate on.
+        name: dataset config name for hub datasets.
+        prompt_column: column holding the prompt text (or a list of chat messages).
+        answer_column: column holding the reference answer (``None`` if the task has none).
+        batch_size: prompts per training step on each rank (each is sampled G times by RL modules).
+        val_batch_size: prompts per validation batch.
+        max_val_rows: evaluate on at most this many held-out rows (``None``: all).
+        sort_digits: digits per prompt of the built-in sort task.
+        seed: seed of the training order.
+        shuffle: shuffle the training rows each epoch.
+    """
+
+    def __init__(
+        self,
+        path: str | None = None,
+        val_path: str | None = None,
+        split: str = "train",
+        val_split: str = "test",
+        name: str | None = None,
+        prompt_column: str = "prompt",
+        answer_column: str | None = "answer",
+        batch_size: int = 8,
+        val_batch_size: int = 64,
+        max_val_rows: int | None = None,
+        sort_digits: int = 5,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"`data.batch_size` must be >= 1, got {batch_size}")
+        self.path, self.val_path, self.split, self.val_split, self.name = path, val_path, split, val_split, name
+        self.prompt_column, self.answer_column = prompt_column, answer_column
+        self.batch_size, self.val_batch_size, self.max_val_rows = batch_size, val_batch_size, max_val_rows
+        self.seed, self.shuffle = seed, shuffle
+        self.task = SortTask(num_digits=sort_digits, seed=seed) if path is None else None
+        self.train_rows: list[dict[str, Any]] = []
+        self.val_rows: list[dict[str, Any]] = []
+        self.batches_consumed = 0  # restored from checkpoints; the next training batch index
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_rows:
+            return
+        columns = {"data.prompt_column": self.prompt_column, "data.answer_column": self.answer_column}
+        if self.task is not None:
+            self.train_rows = [self.task.train_row(i) for i in range(self.task.num_train)]
+            self.val_rows = self.task.val_rows()
+        else:
+            self.train_rows = load_rows(self.path, self.split, self.name)
+            check_rows(self.train_rows, columns, f"`data.path`={self.path} (split {self.split})")
+            self.val_rows = self._load_val()
+        if self.val_rows:
+            check_rows(self.val_rows, columns, f"validation data of `data.path`={self.path}")
+        if self.max_val_rows is not None:
+            self.val_rows = self.val_rows[: self.max_val_rows]
+        self.train_rows = [self._canonical(r) for r in self.train_rows]
+        self.val_rows = [self._canonical(r) for r in self.val_rows]
+
+    def _canonical(self, row: dict[str, Any]) -> dict[str, Any]:
+        """Expose the configured columns as ``prompt`` and ``answer``; keep every other column."""
+        out = {**row, "prompt": row[self.prompt_column]}
+        if self.answer_column is not None:
+            out["answer"] = row[self.answer_column]
+        return out
+
+    def _load_val(self) -> list[dict[str, Any]]:
+        source = self.val_path or self.path
+        try:
+            return load_rows(source, self.val_split, self.name)
+        except (ValueError, KeyError):
+            if self.val_path is not None:
+                raise
+            return []  # `path` has no held-out split: train without validation
+
+    def train_dataloader(self) -> DataLoader:
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        stream = PromptStream(self.train_rows, self.batch_size, self.seed, self.shuffle, rank, world, self.batches_consumed)
+        return DataLoader(stream, batch_size=None, num_workers=0)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if not self.val_rows:
+            return []
+        return DataLoader(self.val_rows, batch_size=self.val_batch_size, shuffle=False, collate_fn=collate)
+
+    def state_dict(self) -> dict[str, Any]:
+        trainer = self.trainer
+        consumed = self.batches_consumed
+        if trainer is not None:  # batches whose training step has run (prefetched ones don't count)
+            consumed = trainer.fit_loop.epoch_loop.batch_progress.total.processed
+        return {"batches_consumed": consumed}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.batches_consumed = int(state_dict["batches_consumed"])
+
+

@@ -1,0 +1,179 @@
+"""What every algorithm shares: the policy, its optimiser, prompt rendering and greedy validation.
+
+``PolicyModule`` is the base of every LightningModule here (SFT, DPO and the online RL family). The
+``__init__`` signature is the config schema: LightningCLI turns it into YAML keys under ``model:``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_rl.policy import Policy
+from lightning_rl.rewards import import_reward
+
+BUILTIN_MODELS = ("builtin:tiny-sort", "builtin:tiny-scratch")
+
+
+def load_policy(model: str, dtype: str | None = None, trust_remote_code: bool = False) -> Policy:
+    """Load the policy named by ``model``.
+
+    ``builtin:tiny-sort`` is the embedded model warm-started on the sort task; ``builtin:tiny-scratch``
+    is the same architecture freshly initialised; anything else is a hub id or a local folder passed
+    to ``from_pretrained``.
+    """
+    from lightning_rl.data.tiny_model import EMBEDDED_MODEL, tiny_llama_config
+    from lightning_rl.data.tokenizer import build_char_tokenizer
+
+    if model == "builtin:tiny-sort":
+        return Policy.from_pretrained(EMBEDDED_MODEL, dtype=dtype)
+    if model == "builtin:tiny-scratch":
+        tokenizer = build_char_tokenizer()
+        return Policy.from_config(tiny_llama_config(tokenizer), tokenizer)
+    if model.startswith("builtin:"):
+        raise ValueError(f"`model.model`: unknown built-in model `{model}`; choose from {BUILTIN_MODELS}")
+    return Policy.from_pretrained(model, dtype=dtype, trust_remote_code=trust_remote_code)
+
+
+def render_prompts(tokenizer: Any, prompts: Sequence[Any], chat_template: bool) -> list[str]:
+    """Prompt texts as the model sees them.
+
+    A prompt that is a list of ``{"role", "content"}`` messages is always rendered with the
+    tokenizer's chat template; a plain string is rendered as one user message when ``chat_template``.
+    """
+    out = []
+    for p in prompts:
+        if isinstance(p, str) and not chat_template:
+            out.append(p)
+            continue
+        messages = [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("`model.chat_template` is on (or prompts are messages) but the tokenizer has no chat template")
+        out.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    return out
+
+
+class PolicyModule(L.LightningModule):
+    """Base LightningModule: owns the ``Policy`` and evaluates it greedily on held-out prompts.
+
+    Args:
+        model: hub id, local ``save_pretrained`` folder, or ``builtin:tiny-sort`` / ``builtin:tiny-scratch``.
+        dtype: weights dtype (``float32``, ``bfloat16``, ``float16``, ``auto``); ``None`` keeps the saved one.
+        trust_remote_code: allow model code from the hub (off by default).
+        gradient_checkpointing: trade compute for memory in the policy's forward pass.
+        chat_template: render plain-string prompts with the tokenizer's chat template.
+        max_prompt_length: longest prompt in tokens; longer ones fail before training, naming the row.
+        max_new_tokens: completion budget for generation (validation here; rollouts in RL modules).
+        accuracy_fn: ``module:function`` scoring greedy validation completions; ``val/accuracy`` is its mean.
+        optimizer: optimiser factory (YAML ``class_path`` + ``init_args``); AdamW by default.
+        lr_scheduler: optional LR scheduler factory, stepped once per optimiser step.
+    """
+
+    def __init__(
+        self,
+        model: str = "builtin:tiny-sort",
+        dtype: str | None = None,
+        trust_remote_code: bool = False,
+        gradient_checkpointing: bool = False,
+        chat_template: bool = False,
+        max_prompt_length: int = 512,
+        max_new_tokens: int = 64,
+        accuracy_fn: str = "lightning_rl.rewards:exact_match",
+        optimizer: OptimizerCallable = torch.optim.AdamW,
+        lr_scheduler: LRSchedulerCallable | None = None,
+    ) -> None:
+        super().__init__()
+        if max_prompt_length < 1 or max_new_tokens < 1:
+            raise ValueError("`model.max_prompt_length` and `model.max_new_tokens` must be >= 1")
+        self.policy = load_policy(model, dtype, trust_remote_code)
+        if gradient_checkpointing:
+            self.policy.model.gradient_checkpointing_enable()
+        self.chat_template = chat_template
+        self.max_prompt_length, self.max_new_tokens = max_prompt_length, max_new_tokens
+        self.accuracy_fn = import_reward(accuracy_fn)
+        self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.policy.tokenizer
+
+    # ---- setup -------------------------------------------------------------------------------
+    def on_fit_start(self) -> None:
+        self.policy.train()  # HF models load in eval mode and Lightning keeps it
+        self.check_prompt_lengths()
+
+    def check_prompt_lengths(self) -> None:
+        """Fail before the first step if any train / val prompt exceeds ``max_prompt_length``."""
+        dm = getattr(self.trainer, "datamodule", None)
+        for split in ("train_rows", "val_rows"):
+            rows = getattr(dm, split, None) or []
+            for start in range(0, len(rows), 1024):
+                chunk = [r["prompt"] for r in rows[start : start + 1024]]
+                texts = render_prompts(self.tokenizer, chunk, self.chat_template)
+                lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+                for i, n in enumerate(lengths):
+                    if n > self.max_prompt_length:
+                        raise ValueError(
+                            f"{split[:-5]} row {start + i}: prompt is {n} tokens, longer than "
+                            f"`model.max_prompt_length`={self.max_prompt_length}"
+                        )
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        """Export the final policy unless the user configured an ``ExportPolicy`` of their own."""
+        from lightning_rl.callbacks.export import ExportPolicy
+
+        return [] if _has_callback(self.trainer, ExportPolicy) else [ExportPolicy()]
+
+    def configure_optimizers(self) -> Any:
+        optimizer = self.optimizer_factory(self.policy.parameters())
+        if self.scheduler_factory is None:
+            return optimizer
+        scheduler = self.scheduler_factory(optimizer)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ---- prompts and validation ----------------------------------------------------------------
+    def encode_prompts(self, prompts: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        texts = render_prompts(self.tokenizer, prompts, self.chat_template)
+        return self.policy.encode_prompts(texts, self.max_prompt_length)
+
+    def decode(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[str]:
+        ids = completion_ids.masked_fill(completion_mask == 0, self.policy.pad_token_id)
+        return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+    def greedy(self, prompts: Sequence[Any]) -> list[str]:
+        ids, mask = self.encode_prompts(prompts)
+        gen = self.policy.generate(ids, mask, max_new_tokens=self.max_new_tokens, do_sample=False)
+        return self.decode(gen.completion_ids, gen.completion_mask)
+
+    def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
+        completions = self.greedy(batch["prompt"])
+        scores = self.accuracy_fn(prompts=batch["prompt"], completions=completions, **_columns(batch))
+        acc = torch.tensor([float(s) for s in scores], device=self.device)
+        self.log("val/accuracy", acc.mean(), batch_size=len(completions), sync_dist=True, prog_bar=True)
+        self.validation_extra(batch, completions)
+
+    def validation_extra(self, batch: dict[str, list], completions: list[str]) -> None:
+        """Hook for subclasses to log more validation metrics from the same greedy completions."""
+
+    def on_validation_epoch_end(self) -> None:
+        value = self.trainer.callback_metrics.get("val/accuracy")
+        if value is not None:
+            rank_zero_info(f"step {self.global_step}: val/accuracy = {float(value):.3f}")
+
+    def save_pretrained(self, path: str) -> None:
+        """Write the policy and tokenizer as a folder that ``transformers`` loads directly."""
+        self.policy.save_pretrained(path)
+
+
+def _has_callback(trainer: L.Trainer, kind: type) -> bool:
+    return any(isinstance(cb, kind) for cb in trainer.callbacks)
+
+
+def _columns(batch: dict[str, list]) -> dict[str, list]:
+    """Every batch column except the prompt, passed to reward functions as keyword arguments."""
+    return {k: v for k, v in batch.items() if k != "prompt"}

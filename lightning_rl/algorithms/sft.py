@@ -1,0 +1,52 @@
+"""Supervised fine-tuning on (prompt, answer) rows: the warm start for RL.
+
+The loss is the negative log-likelihood of the answer tokens (plus EOS) only; prompt tokens are
+context, not targets. It is a token mean over the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_rl.algorithms.base import PolicyModule
+from lightning_rl.losses import aggregate
+
+
+class SFT(PolicyModule):
+    """Supervised fine-tuning on the ``answer`` column of a ``PromptDataModule``.
+
+    Args:
+        max_completion_length: longest target in tokens (EOS included); longer targets are cut on
+            the right, and the count of cut rows is logged as ``train/truncated_frac``.
+        **base: see ``PolicyModule`` (model, optimizer, generation and validation settings).
+    """
+
+    def __init__(self, *args: Any, max_completion_length: int = 64, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.max_completion_length = max_completion_length
+
+    def encode_targets(self, answers: list[str]) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Right-padded target ids with EOS appended, their mask, and the fraction cut."""
+        eos, pad = self.policy.eos_token_id, self.policy.pad_token_id
+        rows = [ids + [eos] for ids in self.tokenizer(list(answers), add_special_tokens=False)["input_ids"]]
+        cut = sum(len(r) > self.max_completion_length for r in rows) / len(rows)
+        rows = [r[: self.max_completion_length] for r in rows]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = torch.tensor(r)
+            mask[i, : len(r)] = 1
+        return ids.to(self.device), mask.to(self.device), cut
+
+    def training_step(self, batch: dict[str, list], batch_idx: int) -> torch.Tensor:
+        prompt_ids, prompt_mask = self.encode_prompts(batch["prompt"])
+        target_ids, target_mask, cut = self.encode_targets([str(a) for a in batch["answer"]])
+        logp, _ = self.policy.token_logprobs(prompt_ids, prompt_mask, target_ids, target_mask)
+        loss = -aggregate(logp, target_mask, "token-mean")
+        n = len(batch["prompt"])
+        self.log("train/loss", loss, batch_size=n, prog_bar=True)
+        self.log("train/truncated_frac", cut, batch_size=n)
+        return loss
