@@ -1,0 +1,444 @@
+"""Policy: a Hugging Face causal LM plus its tokenizer, with batched sampling and per-token log-probs.
+
+Shapes used throughout: ``N`` rows (prompts x samples), ``P`` prompt length (left-padded), ``C``
+completion length (right-padded), ``V`` vocabulary size.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import transformers
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from packaging.version import Version
+from torch import Tensor, nn
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+# transformers renamed `torch_dtype` to `dtype` in 4.56; we support older releases too.
+_DTYPE_KWARG = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+
+
+@dataclass
+class Generation:
+    """One batch of sampled completions; the samples of prompt ``i`` are rows ``i*G .. i*G+G-1``.
+
+    Attributes:
+        prompt_ids: ``[N, P]`` long, left-padded with the pad token.
+        prompt_mask: ``[N, P]`` long 0/1, 1 on real prompt tokens.
+        completion_ids: ``[N, C]`` long, right-padded with the pad token after the first EOS.
+        completion_mask: ``[N, C]`` long 0/1, 1 on tokens up to and including the first EOS (a pad
+            token sampled before EOS is a real token, so this is not ``completion_ids != pad``).
+        truncated: ``[N]`` bool, True where no EOS was sampled within ``max_new_tokens``.
+        logits: ``[N, C, V]`` float, the raw (untempered, unfiltered) logits that produced each
+            completion token; only when ``Policy.generate(return_logits=True)``, else None.
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    completion_mask: Tensor
+    truncated: Tensor
+    logits: Tensor | None = None
+
+    @property
+    def lengths(self) -> Tensor:
+        """``[N]`` long: number of completion tokens, EOS included."""
+        return self.completion_mask.sum(-1)
+
+
+def completion_mask(completion_ids: Tensor, eos_token_id: int) -> tuple[Tensor, Tensor]:
+    """Mask of the tokens up to and including the first EOS of each row.
+
+    Args:
+        completion_ids: ``[N, C]`` sampled tokens.
+        eos_token_id: the token that ends a completion.
+
+    Returns:
+        ``(mask, truncated)``: ``[N, C]`` long 0/1 and ``[N]`` bool (no EOS in the row).
+    """
+    is_eos = (completion_ids == eos_token_id).long()
+    # EOS tokens strictly before each position: zero until just after the first EOS.
+    eos_before = is_eos.cumsum(-1) - is_eos
+    return (eos_before == 0).long(), is_eos.sum(-1) == 0
+
+
+@contextmanager
+def _eval_mode(module: nn.Module) -> Iterator[None]:
+    """Run without dropout, then restore each submodule's own mode (they may differ)."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    """The transformers model under a PEFT wrapper (the one owning ``generation_config``)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _is_peft(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+@contextmanager
+def _plain_generation_config(model: nn.Module) -> Iterator[None]:
+    """Hide the checkpoint's ``generation_config.json`` during ``generate``.
+
+    transformers fills every option we leave unset from it (repetition_penalty, min_p, extra EOS
+    ids, ...), which would make sampling differ from the distribution ``token_logprobs`` scores.
+    """
+    base = _base_model(model)
+    saved = base.generation_config
+    base.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        base.generation_config = saved
+
+
+def _filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Apply top-k then top-p exactly as ``generate`` does (same HF warpers, same order)."""
+    shape = logits.shape
+    flat = logits.reshape(-1, shape[-1])  # the warpers expect [batch, vocab]
+    if top_k > 0:
+        flat = TopKLogitsWarper(top_k=top_k)(None, flat)
+    if top_p < 1.0:
+        flat = TopPLogitsWarper(top_p=top_p)(None, flat)
+    return flat.reshape(shape)
+
+
+class _Scorer(nn.Module):
+    """Scores completion tokens with ``self._scoring()``'s model; shared by policy and reference."""
+
+    def _scoring(self) -> tuple[nn.Module, AbstractContextManager]:
+        raise NotImplementedError
+
+    def token_logprobs(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        completion_ids: Tensor,
+        completion_mask: Tensor,
+        *,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        with_entropy: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Log-probs of the completion tokens, from one forward pass over prompt + completion.
+
+        Pass the ``temperature``, ``top_k`` and ``top_p`` that sampled the tokens: the scores are
+        those of the same tempered (and filtered, renormalised) distribution. With filtering, a
+        valid token can still score ``-inf`` if numerics drift it out of the kept set.
+
+        Args:
+            prompt_ids: ``[N, P]`` left-padded prompt tokens; ``prompt_mask`` 1 on real ones.
+            completion_ids: ``[N, C]`` completion tokens; ``completion_mask`` 1 on real ones.
+            temperature: sampling temperature (> 0).
+            top_k: top-k filtering used while sampling (0 = off).
+            top_p: top-p filtering used while sampling (1.0 = off).
+            with_entropy: also return the entropy of each position's distribution.
+
+        Returns:
+            ``(logp, entropy)``: ``[N, C]`` float32 (0 on masked positions), and ``[N, C]`` float32
+            or None.
+        """
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 to score tokens, got {temperature}")
+        model, context = self._scoring()
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
+        # Left padding shifts every token: positions must count real tokens only (absolute-position
+        # models such as GPT-2 are off by ~0.4 nats otherwise).
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        # Position t predicts token t+1: completion tokens come from positions P-1 .. P+C-2. Asking
+        # the model for the last C+1 positions only skips the [N, P, V] prompt logits.
+        keep = completion_ids.shape[1] + 1
+        params = inspect.signature(_base_model(model).forward).parameters
+        extra = {name: keep for name in ("logits_to_keep", "num_logits_to_keep") if name in params}
+        with context:
+            out = model(
+                input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **extra
+            )
+        logits = out.logits[:, -keep:-1].float() / temperature
+        if top_k > 0 or top_p < 1.0:
+            logits = _filter_logits(logits, top_k, top_p)
+        logp_all = torch.log_softmax(logits, dim=-1)
+        logp = logp_all.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+        # Padding may hold tokens filtered to -inf: keep masked positions finite for the callers' sums.
+        logp = logp.masked_fill(completion_mask == 0, 0.0)
+        if not with_entropy:
+            return logp, None
+        # Filtered tokens have p = 0 and log p = -inf: count them as 0, not NaN.
+        return logp, -(logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)
+
+    def forward(self, *args: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        """Same as ``token_logprobs``, so that DDP / FSDP wrappers route through it."""
+        return self.token_logprobs(*args, **kwargs)
+
+
+class ReferencePolicy(_Scorer):
+    """The frozen reference policy for KL terms and DPO; ``token_logprobs`` never tracks gradients.
+
+    Either owns a frozen copy of the policy's model (a registered submodule, so ``.to()`` moves it),
+    or, for a PEFT model, runs the policy's own model with the adapters disabled: no second copy.
+    """
+
+    def __init__(self, model: nn.Module, *, shares_weights: bool) -> None:
+        super().__init__()
+        self.shares_weights = shares_weights
+        if shares_weights:
+            # Not registered: the weights belong to the policy (no duplicate in state_dict / .to()).
+            self.__dict__["_shared_model"] = model
+        else:
+            self.model = model.requires_grad_(False).eval()
+
+    def train(self, mode: bool = True) -> ReferencePolicy:
+        """Stay in eval mode: a parent's ``.train()`` must not turn dropout on in the reference."""
+        return super().train(False)
+
+    @contextmanager
+    def _frozen(self, model: nn.Module) -> Iterator[None]:
+        adapters_off = model.disable_adapter() if self.shares_weights else nullcontext()
+        # The shared model is in train mode while the policy trains: no dropout for the reference.
+        with torch.no_grad(), adapters_off, _eval_mode(model):
+            yield
+
+    def _scoring(self) -> tuple[nn.Module, AbstractContextManager]:
+        model = self.__dict__["_shared_model"] if self.shares_weights else self.model
+        return model, self._frozen(model)
+
+
+class Policy(_Scorer):
+    """A Hugging Face causal LM plus its tokenizer.
+
+    Args:
+        model: the causal LM (a ``PreTrainedModel``, or a ``peft.PeftModel`` around one).
+        tokenizer: its tokenizer. It is switched to left padding; a missing pad token falls back
+            to the EOS token (with a warning).
+
+    Raises:
+        ValueError: if the tokenizer has no EOS token (generation could never stop).
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+        super().__init__()
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no eos_token: set one so that generation can stop")
+        if tokenizer.pad_token_id is None:
+            rank_zero_warn(f"The tokenizer has no pad token: padding with EOS {tokenizer.eos_token!r}.")
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.padding_side = "left"  # generation appends on the right
+        self.model = model
+        self.tokenizer = tokenizer
+        # transformers loads models in eval mode; follow the nn.Module convention instead.
+        self.train()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str,
+        *,
+        dtype: str | None = None,
+        trust_remote_code: bool = False,
+        revision: str | None = None,
+        tokenizer_name_or_path: str | None = None,
+        attn_implementation: str | None = None,
+    ) -> Policy:
+        """Load a hub id or a local folder with ``AutoModelForCausalLM`` and ``AutoTokenizer``.
+
+        Args:
+            name_or_path: hub id or local folder.
+            dtype: ``"float32"``, ``"bfloat16"``, ``"float16"``, ``"auto"`` (the checkpoint's dtype),
+                or None for float32 (transformers 5 alone would default to ``"auto"``).
+            trust_remote_code: allow custom modelling code from the checkpoint.
+            revision: branch, tag or commit of the checkpoint (and of its tokenizer).
+            tokenizer_name_or_path: load the tokenizer from elsewhere.
+            attn_implementation: e.g. ``"sdpa"``, ``"eager"``, ``"flash_attention_2"``.
+
+        Raises:
+            ValueError: on an unknown ``dtype``.
+        """
+        if dtype is not None and dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or None, got {dtype!r}")
+        kwargs = {_DTYPE_KWARG: _DTYPES[dtype or "float32"], "trust_remote_code": trust_remote_code}
+        if revision is not None:
+            kwargs["revision"] = revision
+        if attn_implementation is not None:
+            kwargs["attn_implementation"] = attn_implementation
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+        tok_kwargs = {"trust_remote_code": trust_remote_code}
+        if tokenizer_name_or_path is None and revision is not None:
+            tok_kwargs["revision"] = revision
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_name_or_path or name_or_path, **tok_kwargs)
+        return cls(model, tokenizer)
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> Policy:
+        """A randomly initialised model of the given config (tests, from-scratch runs)."""
+        return cls(AutoModelForCausalLM.from_config(config), tokenizer)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    def enable_gradient_checkpointing(self) -> None:
+        """Recompute activations in backward. Non-reentrant, so frozen (e.g. PEFT) inputs work."""
+        kwargs = {"use_reentrant": False}
+        # transformers 5.x renamed the method (the old name warns); older releases only have the old one.
+        if hasattr(self.model, "activation_checkpointing_enable"):
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+    def disable_dropout(self) -> None:
+        """Set every dropout probability to 0, so train-mode log-probs match sampling-time ones."""
+        for module in self.model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.0
+            if isinstance(getattr(module, "attention_dropout", None), float):
+                module.attention_dropout = 0.0  # Llama-style attention reads a float, not a module
+
+    def encode_prompts(
+        self, prompts: list[str], max_prompt_length: int | None = None, *, add_special_tokens: bool = True
+    ) -> tuple[Tensor, Tensor]:
+        """Tokenise and left-pad prompts onto the model's device.
+
+        Returns:
+            ``(prompt_ids, prompt_mask)``, both ``[len(prompts), P]`` long.
+
+        Raises:
+            ValueError: naming the row, for an empty prompt or one longer than ``max_prompt_length``
+                tokens (prompts are never truncated silently).
+        """
+        enc = self.tokenizer(
+            list(prompts), padding=True, return_tensors="pt", add_special_tokens=add_special_tokens
+        )
+        for row, length in enumerate(enc["attention_mask"].sum(-1).tolist()):
+            if length == 0 or not prompts[row]:
+                raise ValueError(f"prompt {row} is empty")
+            if max_prompt_length is not None and length > max_prompt_length:
+                raise ValueError(
+                    f"prompt {row} has {length} tokens, more than max_prompt_length={max_prompt_length}"
+                )
+        return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        *,
+        num_samples: int = 1,
+        max_new_tokens: int = 32,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        do_sample: bool = True,
+        synced_gpus: bool = False,
+        return_logits: bool = False,
+    ) -> Generation:
+        """Sample ``num_samples`` completions per prompt in one batched, KV-cached ``generate`` call.
+
+        Greedy when ``do_sample`` is False or ``temperature`` is 0. Only temperature, top-k and
+        top-p shape the distribution (the checkpoint's generation config is ignored), so
+        ``token_logprobs`` with the same settings scores exactly what was sampled.
+
+        Args:
+            prompt_ids: ``[B, P]`` left-padded prompts; ``prompt_mask`` 1 on real tokens.
+            num_samples: completions per prompt (``G``); the rows of a prompt are consecutive.
+            max_new_tokens: completion length limit.
+            temperature: sampling temperature; ``top_p`` (1.0 = off) and ``top_k`` (0 = off) filter.
+            do_sample: False for greedy decoding.
+            synced_gpus: keep stepping until every rank is done (needed under FSDP / ZeRO-3).
+            return_logits: also return the raw logits (``N*C*V`` floats: for tests and debugging).
+
+        Returns:
+            A ``Generation`` with ``N = B * num_samples`` rows.
+        """
+        if num_samples < 1 or max_new_tokens < 1 or temperature < 0 or top_k < 0 or not 0.0 < top_p <= 1.0:
+            raise ValueError(
+                f"invalid sampling settings: num_samples={num_samples}, max_new_tokens={max_new_tokens}, "
+                f"temperature={temperature}, top_k={top_k}, top_p={top_p}"
+            )
+        prompt_ids = prompt_ids.repeat_interleave(num_samples, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(num_samples, dim=0)
+        sampling = {"do_sample": False}
+        if do_sample and temperature > 0:
+            sampling = {"do_sample": True, "temperature": temperature, "top_k": top_k, "top_p": top_p}
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            pad_token_id=self.pad_token_id,
+            eos_token_id=self.eos_token_id,
+            return_dict_in_generate=True,
+            output_logits=return_logits,
+            **sampling,
+        )
+        # Eval mode: no dropout while sampling (and gradient checkpointing would turn the cache off).
+        with _eval_mode(self.model), _plain_generation_config(self.model):
+            out = self.model.generate(
+                input_ids=prompt_ids,
+                attention_mask=prompt_mask,
+                generation_config=config,
+                synced_gpus=synced_gpus,
+            )
+        completion_ids = out.sequences[:, prompt_ids.shape[1] :]
+        mask, truncated = completion_mask(completion_ids, self.eos_token_id)
+        logits = torch.stack(out.logits, dim=1) if return_logits else None
+        return Generation(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask.long(),
+            completion_ids=completion_ids.masked_fill(mask == 0, self.pad_token_id),
+            completion_mask=mask,
+            truncated=truncated,
+            logits=logits,
+        )
+
+    def _scoring(self) -> tuple[nn.Module, AbstractContextManager]:
+        return self.model, nullcontext()
+
+    def reference(self) -> ReferencePolicy:
+        """A frozen reference: the PEFT model with adapters disabled, else a deep copy of the model."""
+        if _is_peft(self.model):
+            return ReferencePolicy(self.model, shares_weights=True)
+        return ReferencePolicy(copy.deepcopy(self.model), shares_weights=False)
+
+    def save_pretrained(self, path: str) -> None:
+        """Write model and tokenizer to ``path`` (loadable with the Auto classes or ``from_pretrained``).
+
+        A PEFT model writes its adapter only (peft's format).
+        """
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
