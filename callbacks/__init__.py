@@ -5,3 +5,11 @@ if __name__ != "lightning_rl.callbacks":  # the folder sits at the repo root; it
         f"this package is `lightning_rl.callbacks`; it was imported as `{__name__}`. "
         "Install lightning-rl (`pip install -e .`) and import `lightning_rl.callbacks`."
     )
+
+from lightning_rl.callbacks.base import RLCallback  # noqa: E402
+from lightning_rl.callbacks.export import ExportPolicy  # noqa: E402
+from lightning_rl.callbacks.group_filter import DAPOGroupFilter  # noqa: E402
+from lightning_rl.callbacks.metrics import PolicyMetrics  # noqa: E402
+from lightning_rl.callbacks.old_policy import OldPolicySnapshot  # noqa: E402
+
+__all__ = ["DAPOGroupFilter", "ExportPolicy", "OldPolicySnapshot", "PolicyMetrics", "RLCallback"]

@@ -154,6 +154,8 @@ class PromptDataModule(L.LightningDataModule):
         self.train_rows: list[dict[str, Any]] = []
         self.val_rows: list[dict[str, Any]] = []
         self.batches_consumed = 0  # restored from checkpoints; the next training batch index
+        self.refills_consumed = 0  # batches drawn by dynamic sampling, from a separately seeded stream
+        self._refill: Iterator[dict[str, list]] | None = None
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_rows:
@@ -195,6 +197,19 @@ class PromptDataModule(L.LightningDataModule):
         stream = PromptStream(self.train_rows, self.batch_size, self.seed, self.shuffle, rank, world, self.batches_consumed)
         return DataLoader(stream, batch_size=None, num_workers=0)
 
+    def refill_batch(self) -> dict[str, list]:
+        """One more prompt batch for dynamic sampling (DAPO), from its own seeded stream.
+
+        Its position is checkpointed like the main stream's, so refills replay exactly on resume.
+        """
+        if self._refill is None:
+            rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+            stream = PromptStream(self.train_rows, self.batch_size, self.seed + 7919, self.shuffle, rank, world,
+                                  self.refills_consumed)
+            self._refill = iter(stream)
+        self.refills_consumed += 1
+        return next(self._refill)
+
     def val_dataloader(self) -> DataLoader | list:
         if not self.val_rows:
             return []
@@ -205,9 +220,11 @@ class PromptDataModule(L.LightningDataModule):
         consumed = self.batches_consumed
         if trainer is not None:  # batches whose training step has run (prefetched ones don't count)
             consumed = trainer.fit_loop.epoch_loop.batch_progress.total.processed
-        return {"batches_consumed": consumed}
+        return {"batches_consumed": consumed, "refills_consumed": self.refills_consumed}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.batches_consumed = int(state_dict["batches_consumed"])
+        self.refills_consumed = int(state_dict.get("refills_consumed", 0))
+        self._refill = None
 
 

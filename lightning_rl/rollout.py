@@ -1,0 +1,106 @@
+"""``Rollout``: the typed record of one batch of sampled completions and everything scored on them.
+
+Rows are samples; the G samples of prompt ``i`` are rows ``i*G .. i*G+G-1`` (``group_ids`` says so
+explicitly). ``N`` = prompts x G, ``P`` = padded prompt length, ``C`` = padded completion length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class Rollout:
+    """One RL batch.
+
+    Attributes:
+        prompt_ids: ``[N, P]`` long, left-padded.
+        prompt_mask: ``[N, P]`` 0/1, 1 on real prompt tokens.
+        completion_ids: ``[N, C]`` long, right-padded.
+        completion_mask: ``[N, C]`` 0/1, 1 on the tokens the loss counts: the completion up to and
+            including its first EOS (zeroed for truncated rows when truncated completions are masked).
+        truncated: ``[N]`` bool, no EOS within the token budget.
+        lengths: ``[N]`` long, sampled completion lengths (EOS included), whatever the loss mask says.
+        group_ids: ``[N]`` long, index of the prompt each row answers (consecutive groups of G).
+        rewards: ``[N]`` float, total (weighted, shaped) reward.
+        correct: ``[N]`` bool, verifiable correctness (what DAPO's filter and ``val/accuracy`` use).
+        advantages: ``[N]`` (per sequence) or ``[N, C]`` (per token, PPO) float.
+        old_logp: ``[N, C]`` behaviour-policy log-probs, or ``None`` when each rollout gets exactly one
+            update (the ratio is then 1 and the current log-probs, detached, stand in).
+        ref_logp: ``[N, C]`` reference log-probs, or ``None`` when no KL term is on.
+        values: ``[N, C]`` critic values at rollout time (PPO), else ``None``.
+        returns: ``[N, C]`` value targets (PPO), else ``None``.
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    completion_mask: Tensor
+    truncated: Tensor
+    lengths: Tensor
+    group_ids: Tensor
+    rewards: Tensor
+    correct: Tensor
+    advantages: Tensor | None = None
+    old_logp: Tensor | None = None
+    ref_logp: Tensor | None = None
+    values: Tensor | None = None
+    returns: Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.group_ids.unique().numel())
+
+    def select(self, index: Tensor) -> Rollout:
+        """The rows ``index`` (a long index or bool mask over ``N``) of every tensor field."""
+        return replace(self, **{f.name: _take(getattr(self, f.name), index) for f in fields(self)})
+
+    def minibatches(self, size: int, generator: torch.Generator | None = None) -> Iterator[Rollout]:
+        """Disjoint minibatches of ``size`` rows covering the rollout, shuffled when ``generator`` is given."""
+        n = len(self)
+        order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
+        for start in range(0, n, size):
+            yield self.select(order[start : start + size].to(self.completion_ids.device))
+
+    @staticmethod
+    def cat(parts: list[Rollout]) -> Rollout:
+        """Concatenate rollouts row-wise, padding prompts on the left and completions on the right."""
+        if len(parts) == 1:
+            return parts[0]
+        out = {}
+        for f in fields(Rollout):
+            values = [getattr(p, f.name) for p in parts]
+            if values[0] is None:
+                out[f.name] = None
+            elif f.name.startswith("prompt_"):
+                out[f.name] = torch.cat(_pad(values, left=True), 0)
+            else:
+                out[f.name] = torch.cat(_pad(values, left=False), 0)
+        offsets = torch.cumsum(torch.tensor([0] + [int(p.group_ids.max()) + 1 for p in parts[:-1]]), 0)
+        out["group_ids"] = torch.cat([p.group_ids + int(o) for p, o in zip(parts, offsets, strict=True)])
+        return Rollout(**out)
+
+
+def _take(value: Tensor | None, index: Tensor) -> Tensor | None:
+    return None if value is None else value[index]
+
+
+def _pad(values: list[Tensor], left: bool) -> list[Tensor]:
+    """Pad 2-D tensors to one width with zeros (ids pad with 0 too: the mask says what is real)."""
+    if values[0].dim() < 2:
+        return values
+    width = max(v.shape[1] for v in values)
+    padded = []
+    for v in values:
+        extra = width - v.shape[1]
+        pad = (extra, 0) if left else (0, extra)
+        padded.append(torch.nn.functional.pad(v, pad))
+    return padded
