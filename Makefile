@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 demo: setup
-	$(VENV)/bin/lightning-rl fit --config configs/sft.yaml
+	$(VENV)/bin/lightning-rl fit --config configs/grpo.yaml
 
 test: setup
 	$(VENV)/bin/pytest -q

@@ -9,3 +9,4 @@ from lightning_rl.algorithms.sapo import SAPO
 from lightning_rl.algorithms.sft import SFT
 
 __all__ = ["DAPO", "GRPO", "GSPO", "SAPO", "SFT", "OnlineRL", "PolicyModule"]
+from lightning_rl.algorithms.dpo import DPO  # noqa: F401

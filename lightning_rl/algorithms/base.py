@@ -110,7 +110,10 @@ class OnlineRL(PolicyModule):
         self.mask_truncated = mask_truncated
         self.dynamic_sampling, self.max_gen_batches = dynamic_sampling, max_gen_batches
         self.rollout_seed = rollout_seed
-        self._reference = None  # not a submodule: frozen, never checkpointed; built in on_fit_start
+        # The reference is the policy as loaded, before any update (also when resuming, where the
+        # checkpoint's weights arrive before on_fit_start). Kept out of the module tree (plain
+        # __dict__ entry): frozen, never in checkpoints or optimisers; moved to the device in on_fit_start.
+        self.__dict__["_reference"] = self.policy.reference() if self.objective.needs_reference else None
         self._generation_round = 0
 
     @property
@@ -132,8 +135,6 @@ class OnlineRL(PolicyModule):
     def on_fit_start(self) -> None:
         super().on_fit_start()
         self.policy.disable_dropout()  # log-probs must match what sampling saw
-        if self.objective.needs_reference and self._reference is None:
-            self._reference = self.policy.reference()
         if self._reference is not None:
             self._reference.to(self.device)
 

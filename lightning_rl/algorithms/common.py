@@ -11,6 +11,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -123,6 +124,18 @@ class PolicyModule(L.LightningModule):
                             f"`model.max_prompt_length`={self.max_prompt_length}"
                         )
 
+    # ---- checkpoints: RNG states travel with the weights, optimiser and data position -------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["rng_states"] = _rng_to_safe(_collect_rng_states())
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._rng_states = checkpoint.get("rng_states")
+
+    def on_train_start(self) -> None:
+        if getattr(self, "_rng_states", None) is not None:  # after sanity validation, so it can't shift them
+            _set_rng_states(_rng_from_safe(self._rng_states))
+            self._rng_states = None
+
     def configure_callbacks(self) -> list[L.Callback]:
         """Export the final policy unless the user configured an ``ExportPolicy`` of their own."""
         from lightning_rl.callbacks.export import ExportPolicy
@@ -168,6 +181,26 @@ class PolicyModule(L.LightningModule):
     def save_pretrained(self, path: str) -> None:
         """Write the policy and tokenizer as a folder that ``transformers`` loads directly."""
         self.policy.save_pretrained(path)
+
+
+def _rng_to_safe(states: dict[str, Any]) -> dict[str, Any]:
+    """RNG states in types that ``torch.load(weights_only=True)`` accepts (no numpy arrays)."""
+    out = dict(states)
+    if "numpy" in out:
+        kind, keys, pos, has_gauss, gauss = out["numpy"]
+        out["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss)]
+    out["python"] = [states["python"][0], list(states["python"][1]), states["python"][2]]
+    return out
+
+
+def _rng_from_safe(states: dict[str, Any]) -> dict[str, Any]:
+    out = dict(states)
+    if "numpy" in out:
+        kind, keys, pos, has_gauss, gauss = out["numpy"]
+        out["numpy"] = (kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss)
+    version, internal, gauss = out["python"]
+    out["python"] = (version, tuple(internal), gauss)
+    return out
 
 
 def _has_callback(trainer: L.Trainer, kind: type) -> bool:

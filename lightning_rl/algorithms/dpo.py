@@ -1,0 +1,229 @@
+"""Direct Preference Optimisation (and IPO, hinge, cDPO / robust DPO, RPO) on preference pairs.
+
+Offline: no generation while training. Each step scores the chosen and the rejected completions of a
+batch in one forward pass (the two halves concatenated on the batch dimension), sums the completion
+tokens' log-probs, and applies ``losses.dpo_loss`` against a frozen reference.
+
+The reference is ``Policy.reference()``: a frozen copy of the starting model, or the same weights with
+the LoRA adapters disabled when the policy is a PEFT model. The copy is a registered submodule, so
+``.to()`` / precision casts move it with the policy, but a state-dict hook keeps its weights out of
+``state_dict()`` and hence out of checkpoints: it is rebuilt from ``model`` when the module is built,
+which is also what a resumed run needs (the reference is the *starting* model, not the checkpointed
+one). With ``precompute_ref_logps`` the reference scores every train and held-out pair once before
+training, and a copied reference is then freed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_rl.algorithms.common import PolicyModule
+from lightning_rl.data.preference import EncodedPairs, encode_pairs
+from lightning_rl.losses import DPO_LOSS_TYPES, aggregate, dpo_loss
+
+LossType = Literal["sigmoid", "ipo", "hinge", "robust"]
+REFERENCE = "reference"
+
+
+def pair_key(prompt: Any, chosen: Any, rejected: Any) -> str:
+    """The reference-cache key of one pair (its content, so any batching finds it)."""
+    return json.dumps([prompt, chosen, rejected], sort_keys=True, ensure_ascii=False)
+
+
+def _drop_reference(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    # state-dict post hook: the reference is rebuilt from `model`, never saved or loaded
+    for key in [k for k in state_dict if k.startswith(f"{prefix}{REFERENCE}.")]:
+        del state_dict[key]
+
+
+def _allow_missing_reference(module: torch.nn.Module, incompatible_keys: Any) -> None:
+    missing = incompatible_keys.missing_keys
+    missing[:] = [k for k in missing if not k.startswith(f"{REFERENCE}.") and f".{REFERENCE}." not in k]
+
+
+class DPO(PolicyModule):
+    """DPO on a ``PreferenceDataModule`` (rows ``prompt``, ``chosen``, ``rejected``, optionally ``answer``).
+
+    Logs ``train/loss``, ``rewards/{chosen,rejected,accuracy,margin}``, ``logps/{chosen,rejected}``
+    (mean summed log-prob), ``data/{prompt,completion}_truncated`` (rows cut this step), ``train/nll``
+    with RPO; the same under ``val/`` on the held-out pairs, plus greedy ``val/accuracy`` when the rows
+    have an ``answer``.
+
+    Args:
+        beta: strength of the implicit KL to the reference (> 0); rewards are ``beta * (logp - ref_logp)``.
+        loss_type: ``sigmoid`` (DPO), ``ipo``, ``hinge`` (SLiC) or ``robust`` (rDPO).
+        label_smoothing: assumed label-flip rate in [0, 0.5): cDPO with ``sigmoid``, rDPO with ``robust``.
+        rpo_alpha: weight of the RPO term, the token-mean NLL of the chosen completions (``None``: off).
+        max_completion_length: completion tokens kept (EOS included), cut on the right; prompts keep
+            their last ``max_prompt_length`` tokens. Cut rows are counted in ``data/*_truncated``.
+        precompute_ref_logps: score every train / held-out pair with the reference once before
+            training and free a copied reference (needs a DataModule with ``train_rows`` / ``val_rows``).
+        disable_dropout: set dropout to 0 so that policy and reference agree at the start (as TRL does).
+        *args, **kwargs: see ``PolicyModule`` (model, optimizer, ``max_prompt_length``,
+            ``max_new_tokens`` for greedy validation, ``chat_template``, ``accuracy_fn``).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        beta: float = 0.1,
+        loss_type: LossType = "sigmoid",
+        label_smoothing: float = 0.0,
+        rpo_alpha: float | None = None,
+        max_completion_length: int = 64,
+        precompute_ref_logps: bool = False,
+        disable_dropout: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        _validate(beta, loss_type, label_smoothing, rpo_alpha, max_completion_length)
+        super().__init__(*args, **kwargs)
+        self.beta, self.loss_type, self.label_smoothing = beta, loss_type, label_smoothing
+        self.rpo_alpha, self.max_completion_length = rpo_alpha, max_completion_length
+        self.precompute_ref_logps = precompute_ref_logps
+        if disable_dropout:
+            self.policy.disable_dropout()
+        self.reference = self.policy.reference()
+        self.register_state_dict_post_hook(_drop_reference)
+        self.register_load_state_dict_post_hook(_allow_missing_reference)
+        self.ref_cache: dict[str, tuple[float, float]] | None = None
+
+    # ---- setup -------------------------------------------------------------------------------
+    def check_prompt_lengths(self) -> None:
+        """No-op: DPO cuts long prompts on the left (and counts them) instead of refusing them."""
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        self._maybe_precompute()
+
+    def on_validation_start(self) -> None:
+        self._maybe_precompute()
+
+    def _maybe_precompute(self) -> None:
+        if not self.precompute_ref_logps or self.ref_cache is not None:
+            return
+        dm = getattr(self.trainer, "datamodule", None)
+        if dm is None or not hasattr(dm, "train_rows"):
+            raise ValueError("`model.precompute_ref_logps` needs a DataModule with `train_rows` (e.g. PreferenceDataModule)")
+        start = time.perf_counter()
+        self.ref_cache = self.reference_logps_table(list(dm.train_rows) + list(getattr(dm, "val_rows", [])), getattr(dm, "batch_size", 8))
+        rank_zero_info(f"reference log-probs of {len(self.ref_cache)} pairs precomputed in {time.perf_counter() - start:.1f}s")
+        if self.reference is not None and not self.reference.shares_weights:
+            self.reference = None  # every pair is cached: free the copy
+
+    @torch.no_grad()
+    def reference_logps_table(self, rows: list[dict[str, Any]], batch_size: int) -> dict[str, tuple[float, float]]:
+        """``{pair_key: (ref chosen logp, ref rejected logp)}`` for ``rows``, scored ``batch_size`` pairs at a time."""
+        unique = {pair_key(r["prompt"], r["chosen"], r["rejected"]): r for r in rows}
+        keys, table = list(unique), {}
+        for start in range(0, len(keys), batch_size):
+            part = [unique[k] for k in keys[start : start + batch_size]]
+            batch = {name: [r[name] for r in part] for name in ("prompt", "chosen", "rejected")}
+            seq = self._reference_forward(self.encode(batch)).tolist()
+            n = len(part)
+            table.update({k: (seq[i], seq[n + i]) for i, k in enumerate(keys[start : start + n])})
+        return table
+
+    # ---- scoring -----------------------------------------------------------------------------
+    def encode(self, batch: dict[str, list]) -> EncodedPairs:
+        """Tokenise a batch of pairs onto this module's device (chosen rows first)."""
+        enc = encode_pairs(
+            self.tokenizer,
+            list(batch["prompt"]),
+            list(batch["chosen"]),
+            list(batch["rejected"]),
+            max_prompt_length=self.max_prompt_length,
+            max_completion_length=self.max_completion_length,
+            chat_template=self.chat_template,
+        )
+        return enc.to(self.device)
+
+    def _reference_forward(self, enc: EncodedPairs) -> torch.Tensor:
+        logp, _ = self.reference.token_logprobs(enc.prompt_ids, enc.prompt_mask, enc.completion_ids, enc.completion_mask)
+        return logp.sum(-1)
+
+    def reference_logps(self, batch: dict[str, list], enc: EncodedPairs) -> torch.Tensor:
+        """``[2B]`` summed reference log-probs (chosen then rejected), from the cache when precomputed."""
+        if self.ref_cache is None:
+            return self._reference_forward(enc)
+        keys = [pair_key(*p) for p in zip(batch["prompt"], batch["chosen"], batch["rejected"], strict=True)]
+        missing = [i for i, k in enumerate(keys) if k not in self.ref_cache]
+        if missing:
+            raise KeyError(f"batch rows {missing} are not in the precomputed reference cache (`model.precompute_ref_logps`)")
+        values = [self.ref_cache[k][0] for k in keys] + [self.ref_cache[k][1] for k in keys]
+        return torch.tensor(values, dtype=torch.float32, device=self.device)
+
+    def pair_loss(self, batch: dict[str, list], enc: EncodedPairs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The objective of a batch and its metrics (``rewards/*``, ``logps/*``, ``nll`` with RPO)."""
+        logp, _ = self.policy.token_logprobs(enc.prompt_ids, enc.prompt_mask, enc.completion_ids, enc.completion_mask)
+        seq = logp.sum(-1)  # token_logprobs zeroes padding: only completion tokens count
+        ref = self.reference_logps(batch, enc)
+        n = len(batch["prompt"])
+        loss, metrics = dpo_loss(
+            seq[:n], seq[n:], ref[:n], ref[n:], self.beta, loss_type=self.loss_type, label_smoothing=self.label_smoothing
+        )
+        metrics["logps/chosen"] = seq[:n].detach().mean()
+        metrics["logps/rejected"] = seq[n:].detach().mean()
+        if self.rpo_alpha is not None:
+            nll = -aggregate(logp[:n], enc.completion_mask[:n], "token-mean")
+            loss = loss + self.rpo_alpha * nll
+            metrics["nll"] = nll.detach()
+        return loss, metrics
+
+    # ---- loop hooks --------------------------------------------------------------------------
+    def training_step(self, batch: dict[str, list], batch_idx: int) -> torch.Tensor:
+        enc = self.encode(batch)
+        loss, metrics = self.pair_loss(batch, enc)
+        n = len(batch["prompt"])
+        self.log("train/loss", loss, batch_size=n, prog_bar=True)
+        for name, value in metrics.items():
+            self.log("train/nll" if name == "nll" else name, value, batch_size=n, prog_bar=name == "rewards/accuracy")
+        self.log("data/prompt_truncated", float(enc.prompt_truncated), batch_size=n)
+        self.log("data/completion_truncated", float(enc.completion_truncated), batch_size=n)
+        return loss
+
+    def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
+        enc = self.encode(batch)
+        loss, metrics = self.pair_loss(batch, enc)
+        n = len(batch["prompt"])
+        self.log("val/loss", loss, batch_size=n, sync_dist=True)
+        for name, value in metrics.items():
+            self.log(f"val/{name}", value, batch_size=n, sync_dist=True, prog_bar=name == "rewards/accuracy")
+        if "answer" in batch:
+            self._greedy_accuracy(batch, enc)
+
+    def _greedy_accuracy(self, batch: dict[str, list], enc: EncodedPairs) -> None:
+        """``val/accuracy``: greedy completions of the (truncated) prompts scored by ``accuracy_fn``."""
+        n = len(batch["prompt"])
+        gen = self.policy.generate(enc.prompt_ids[:n], enc.prompt_mask[:n], max_new_tokens=self.max_new_tokens, do_sample=False)
+        completions = self.decode(gen.completion_ids, gen.completion_mask)
+        columns = {k: v for k, v in batch.items() if k != "prompt"}
+        scores = self.accuracy_fn(prompts=batch["prompt"], completions=completions, **columns)
+        acc = torch.tensor([float(s) for s in scores], device=self.device)
+        self.log("val/accuracy", acc.mean(), batch_size=n, sync_dist=True, prog_bar=True)
+
+    def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()
+        value = self.trainer.callback_metrics.get("val/rewards/accuracy")
+        if value is not None:
+            rank_zero_info(f"step {self.global_step}: val/rewards/accuracy = {float(value):.3f}")
+
+
+def _validate(beta: float, loss_type: str, label_smoothing: float, rpo_alpha: float | None, max_completion_length: int) -> None:
+    """Config errors naming the YAML key."""
+    if not beta > 0:
+        raise ValueError(f"`model.beta` must be > 0, got {beta}")
+    if loss_type not in DPO_LOSS_TYPES:
+        raise ValueError(f"`model.loss_type` must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"`model.label_smoothing` must be in [0, 0.5), got {label_smoothing}")
+    if label_smoothing > 0 and loss_type not in ("sigmoid", "robust"):
+        raise ValueError(f"`model.label_smoothing` applies to loss_type sigmoid or robust only, not {loss_type!r}")
+    if rpo_alpha is not None and not rpo_alpha >= 0:
+        raise ValueError(f"`model.rpo_alpha` must be >= 0 or null, got {rpo_alpha}")
+    if max_completion_length < 1:
+        raise ValueError(f"`model.max_completion_length` must be >= 1, got {max_completion_length}")
