@@ -6,8 +6,8 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning_rl.callbacks.base import RLCallback
 
+from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.losses import dapo_group_keep
 from lightning_rl.rollout import Rollout
 

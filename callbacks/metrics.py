@@ -6,9 +6,9 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning_rl.callbacks.base import RLCallback
 from torchmetrics import MeanMetric
 
+from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.rollout import Rollout
 
 

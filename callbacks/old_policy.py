@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
-from lightning_rl.callbacks.base import RLCallback
 
+from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.rollout import Rollout
 
 

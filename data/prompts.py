@@ -9,23 +9,28 @@ that holds the prompt, so groups are never split across ranks.
 
 from __future__ import annotations
 
+import csv
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from lightning_rl.data.sort_task import SortTask
 from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_rl.data.sort_task import SortTask
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-def load_rows(path: str, split: str = "train", name: str | None = None) -> list[dict[str, Any]]:
+def load_rows(path: str, split: str = "train", name: str | None = None, require_split: bool = False) -> list[dict[str, Any]]:
     """Load a table as a list of dict rows.
 
     ``path`` is a JSONL / JSON / CSV / Parquet file, a folder written by ``datasets.save_to_disk``, or
-    a dataset name on the Hugging Face hub (loaded with ``datasets.load_dataset``).
+    a dataset name on the Hugging Face hub (loaded with ``datasets.load_dataset``). A single file or a
+    single saved ``Dataset`` has no splits: it is returned whole, unless ``require_split`` (then a
+    ``ValueError``, so a held-out split is never silently the training data). CSV cells are read as
+    strings (an answer ``01358`` stays ``01358``); an empty file gives no rows.
     """
     import datasets
 
@@ -35,14 +40,35 @@ def load_rows(path: str, split: str = "train", name: str | None = None) -> list[
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
                 raise ValueError(f"split `{split}` not in the saved dataset at {path}; it has {sorted(ds)}")
-            ds = ds[split]
-    elif local.suffix in FILE_BUILDERS:
-        if not local.exists():
-            raise FileNotFoundError(f"data file not found: {path}")
-        ds = datasets.load_dataset(FILE_BUILDERS[local.suffix], data_files=str(local), split="train")
-    else:
-        ds = datasets.load_dataset(path, name, split=split)
-    return ds.to_list()
+            return ds[split].to_list()
+        if require_split:
+            raise ValueError(f"{path} is a single dataset with no split {split!r}")
+        return ds.to_list()
+    if local.suffix in FILE_BUILDERS:
+        if require_split:
+            raise ValueError(f"{path} is a single file with no split {split!r}")
+        return _load_file(local)
+    return datasets.load_dataset(path, name, split=split).to_list()
+
+
+def _load_file(local: Path) -> list[dict[str, Any]]:
+    import datasets
+
+    if not local.exists():
+        raise FileNotFoundError(f"data file not found: {local}")
+    if local.stat().st_size == 0:
+        return []
+    kwargs: dict[str, Any] = {}
+    if local.suffix == ".csv":
+        with local.open(newline="") as f:
+            header = next(csv.reader(f), [])
+        kwargs = {"features": datasets.Features({c: datasets.Value("string") for c in header}), "keep_default_na": False}
+    try:
+        return datasets.load_dataset(FILE_BUILDERS[local.suffix], data_files=str(local), split="train", **kwargs).to_list()
+    except ValueError as err:
+        if "corresponds to no data" in str(err):  # header-only CSV, blank JSONL, 0-row Parquet
+            return []
+        raise ValueError(f"cannot read {local}: {err}") from err
 
 
 def check_rows(rows: list[dict[str, Any]], columns: dict[str, str | None], source: str) -> None:
@@ -185,7 +211,7 @@ class PromptDataModule(L.LightningDataModule):
     def _load_val(self) -> list[dict[str, Any]]:
         source = self.val_path or self.path
         try:
-            return load_rows(source, self.val_split, self.name)
+            return load_rows(source, self.val_split, self.name, require_split=self.val_path is None)
         except (ValueError, KeyError):
             if self.val_path is not None:
                 raise

@@ -74,6 +74,15 @@ def test_loads_every_format_and_yields_raw_batches(tmp_path, fmt):
     assert batch["prompt"] == ["12=", "331="] and batch["chosen"] == ["12", "133"] and batch["rejected"] == ["21", "313"]
 
 
+def test_single_saved_dataset_is_not_its_own_validation_set(tmp_path):
+    path = tmp_path / "one"
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(path))
+    dm = make_dm(path)
+    assert len(dm.train_rows) == 4 and dm.val_rows == []
+    dm = make_dm(path, val_path=write_jsonl(tmp_path / "val.jsonl", ROWS[:1]))
+    assert [r["prompt"] for r in dm.val_rows] == ["12="]
+
+
 def test_custom_columns_are_renamed(tmp_path):
     rows = [{"q": r["prompt"], "good": r["chosen"], "bad": r["rejected"]} for r in ROWS]
     dm = make_dm(write_jsonl(tmp_path / "p.jsonl", rows), prompt_column="q", chosen_column="good", rejected_column="bad")
@@ -101,8 +110,9 @@ def test_stream_position_resumes_exactly(tmp_path):
         (lambda rows: rows[:1] + [{**rows[1], "prompt": ""}] + rows[2:], ["row 1", "`prompt`", "empty"]),
         (lambda rows: rows[:3] + [{**rows[3], "rejected": rows[3]["chosen"]}], ["row 3", "identical", "data.chosen_column"]),
         (lambda rows: [{k: v for k, v in r.items() if k != "prompt"} for r in rows], ["data.prompt_column", "`prompt`"]),
+        (lambda rows: [{**r, "rejected": int(r["rejected"])} for r in rows], ["row 0", "`rejected`", "int 21"]),
     ],
-    ids=["missing-column", "empty-chosen", "empty-prompt", "identical", "missing-prompt"],
+    ids=["missing-column", "empty-chosen", "empty-prompt", "identical", "missing-prompt", "not-text"],
 )
 def test_bad_rows_fail_naming_row_and_field(tmp_path, mutate, expected):
     path = write_jsonl(tmp_path / "p.jsonl", mutate([dict(r) for r in ROWS]))

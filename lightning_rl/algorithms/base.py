@@ -293,7 +293,9 @@ class OnlineRL(PolicyModule):
     def no_sync(self) -> Any:
         """Skip the gradient all-reduce of a data-parallel wrapper (all but the last micro-batch)."""
         wrapped = getattr(self.trainer.strategy, "model", None)
-        return wrapped.no_sync() if hasattr(wrapped, "no_sync") else contextlib.nullcontext()
+        if wrapped is self or not hasattr(wrapped, "no_sync"):  # single device: strategy.model is this module
+            return contextlib.nullcontext()
+        return wrapped.no_sync()
 
     def micro_loss(self, micro: Rollout, num_tokens: torch.Tensor, num_seqs: torch.Tensor) -> tuple[torch.Tensor, dict]:
         logp, entropy = self.policy.token_logprobs(micro.prompt_ids, micro.prompt_mask, micro.completion_ids,
@@ -306,8 +308,7 @@ class OnlineRL(PolicyModule):
         return loss, metrics
 
     # ---- validation -----------------------------------------------------------------------------
-    def validation_extra(self, batch: dict[str, list], completions: list[str]) -> None:
-        lengths = [len(ids) for ids in self.tokenizer(completions, add_special_tokens=False)["input_ids"]]
+    def validation_extra(self, batch: dict[str, list], completions: list[str], lengths: list[int]) -> None:
         scores, _ = self.rewards(batch["prompt"], completions, completion_lengths=lengths, **_columns(batch))
         value = torch.tensor(scores, dtype=torch.float32, device=self.device).mean()
         self.log("val/reward_mean", value, batch_size=len(completions), sync_dist=True)

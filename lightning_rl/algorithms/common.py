@@ -116,7 +116,8 @@ class PolicyModule(L.LightningModule):
             for start in range(0, len(rows), 1024):
                 chunk = [r["prompt"] for r in rows[start : start + 1024]]
                 texts = render_prompts(self.tokenizer, chunk, self.chat_template)
-                lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+                special = self.add_special_tokens(chunk)  # count exactly what encode_prompts will feed
+                lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=special)["input_ids"]]
                 for i, n in enumerate(lengths):
                     if n > self.max_prompt_length:
                         raise ValueError(
@@ -150,27 +151,33 @@ class PolicyModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ---- prompts and validation ----------------------------------------------------------------
+    def add_special_tokens(self, prompts: Sequence[Any]) -> bool:
+        """Chat templates already hold BOS and friends; plain prompts get the tokenizer's specials."""
+        return not self.chat_template and all(isinstance(p, str) for p in prompts)
+
     def encode_prompts(self, prompts: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         texts = render_prompts(self.tokenizer, prompts, self.chat_template)
-        return self.policy.encode_prompts(texts, self.max_prompt_length)
+        return self.policy.encode_prompts(texts, self.max_prompt_length,
+                                          add_special_tokens=self.add_special_tokens(prompts))
 
     def decode(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[str]:
         ids = completion_ids.masked_fill(completion_mask == 0, self.policy.pad_token_id)
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
-    def greedy(self, prompts: Sequence[Any]) -> list[str]:
+    def greedy(self, prompts: Sequence[Any]) -> tuple[list[str], list[int]]:
+        """Greedy completions of ``prompts`` and their lengths in tokens (EOS included)."""
         ids, mask = self.encode_prompts(prompts)
         gen = self.policy.generate(ids, mask, max_new_tokens=self.max_new_tokens, do_sample=False)
-        return self.decode(gen.completion_ids, gen.completion_mask)
+        return self.decode(gen.completion_ids, gen.completion_mask), gen.lengths.tolist()
 
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
-        completions = self.greedy(batch["prompt"])
+        completions, lengths = self.greedy(batch["prompt"])
         scores = self.accuracy_fn(prompts=batch["prompt"], completions=completions, **_columns(batch))
         acc = torch.tensor([float(s) for s in scores], device=self.device)
         self.log("val/accuracy", acc.mean(), batch_size=len(completions), sync_dist=True, prog_bar=True)
-        self.validation_extra(batch, completions)
+        self.validation_extra(batch, completions, lengths)
 
-    def validation_extra(self, batch: dict[str, list], completions: list[str]) -> None:
+    def validation_extra(self, batch: dict[str, list], completions: list[str], lengths: list[int]) -> None:
         """Hook for subclasses to log more validation metrics from the same greedy completions."""
 
     def on_validation_epoch_end(self) -> None:

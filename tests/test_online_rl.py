@@ -1,0 +1,606 @@
+"""Tests for the shared online RL step (lightning_rl.algorithms.base.OnlineRL) and its callbacks, on the
+embedded tiny model: micro-batch gradient invariance, the old-policy snapshot, end-to-end runs of every
+algorithm with their metrics, DAPO's group filter, bad input caught before any step, and truncation."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import dataclasses
+import glob
+import json
+import math
+import shutil
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_rl.algorithms import DAPO, GRPO, GSPO, SAPO, OnlineRL
+from lightning_rl.callbacks import DAPOGroupFilter, OldPolicySnapshot
+from lightning_rl.callbacks.base import RLCallback
+from lightning_rl.data import PromptDataModule
+from lightning_rl.losses import dapo_group_keep, normalizer_counts, overlong_penalty
+from lightning_rl.rewards import RewardError
+from lightning_rl.rollout import Rollout
+
+HERE = __name__  # reward functions below are named by import path, as in YAML
+AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def make(cls=GRPO, **kw):
+    args = dict(model="builtin:tiny-sort", max_new_tokens=8, max_prompt_length=16, num_generations=4,
+                optimizer=partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.0)) | kw
+    return cls(**args)
+
+
+def make_trainer(tmp_path, max_steps=1, callbacks=(), logger=False, limit_val_batches=0, **kw):
+    return L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=logger, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                     limit_val_batches=limit_val_batches, callbacks=list(callbacks),
+                     default_root_dir=str(tmp_path), **kw)
+
+
+def datamodule(**kw):
+    return PromptDataModule(**(dict(batch_size=4, max_val_rows=16) | kw))
+
+
+class Probe(L.Callback):
+    """Run ``fn(trainer, module)`` inside a started fit (optimisers, callbacks and data attached), then stop
+    before the first training step."""
+
+    def __init__(self, fn):
+        self.fn, self.result = fn, None
+
+    def on_train_start(self, trainer, pl_module):
+        self.result = self.fn(trainer, pl_module)
+        trainer.should_stop = True
+
+
+def probe(module, fn, tmp_path, dm=None, callbacks=()):
+    p = Probe(fn)
+    make_trainer(tmp_path, callbacks=[p, *callbacks]).fit(module, dm or datamodule())
+    return p.result
+
+
+def first_batch(trainer):
+    return next(iter(trainer.datamodule.train_dataloader()))
+
+
+def grads(module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in module.policy.named_parameters() if p.grad is not None}
+
+
+def max_diff(a, b) -> float:
+    assert a.keys() == b.keys() and len(a) > 10
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def norm(g) -> float:
+    return math.sqrt(sum(float(v.pow(2).sum()) for v in g.values()))
+
+
+def params(module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.policy.named_parameters()}
+
+
+def read_csv_metrics(log_dir) -> dict[str, list[float]]:
+    (path,) = glob.glob(f"{log_dir}/**/metrics.csv", recursive=True)
+    out: dict[str, list[float]] = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            for k, v in row.items():
+                if v not in ("", None) and k not in ("epoch", "step"):
+                    out.setdefault(k, []).append(float(v))
+    return out
+
+
+class Capture(RLCallback):
+    """Keep every final rollout of a step (the object the update uses)."""
+
+    def __init__(self):
+        self.rollouts: list[Rollout] = []
+
+    def on_rollout_end(self, trainer, pl_module, rollout, stats):
+        self.rollouts.append(rollout)
+
+
+# reward functions named by path -------------------------------------------------------------------------
+def raising_reward(completions, **_):
+    raise ZeroDivisionError("bad reward code")
+
+
+def nan_reward(completions, **_):
+    return [math.nan if i == 2 else 0.0 for i in range(len(completions))]
+
+
+def aligned_or_nan(prompts, completions, answer, **_):
+    """1 for every sample except NaN at every 4th; raises if the answer column is misaligned with prompts."""
+    for p, a in zip(prompts, answer, strict=True):
+        if a != "".join(sorted(p.rstrip("="))):
+            raise AssertionError("dataset columns not aligned with prompts")
+    return [math.nan if i % 4 == 0 else 1.0 for i in range(len(completions))]
+
+
+CALLS = {"n": 0}
+
+
+def counting_reward(completions, **_):
+    CALLS["n"] += 1
+    return [0.0] * len(completions)
+
+
+# ----------------------------------------------------------------------------- a. gradient invariance
+def prepare_rollout(module, trainer, seed=0) -> Rollout:
+    """A real rollout made harder: rows of different lengths, two fully masked rows, off-policy old
+    log-probs (the clip bites on both sides), advantages of both signs, a perturbed reference."""
+    rollout, _ = module.generate_and_score(first_batch(trainer))
+    g = torch.Generator().manual_seed(seed)
+    mask = rollout.completion_mask.clone()
+    mask[3] = 0
+    mask[9] = 0
+    mask[5, 2:] = 0
+    mask[12, 4:] = 0
+    rollout.completion_mask = mask
+    logp = module.logprobs(rollout)
+    noise = torch.randn(logp.shape, generator=g) * 0.3
+    rollout.old_logp = torch.where(mask.bool(), logp + noise, 0.0)
+    rollout.ref_logp = torch.where(mask.bool(), logp + torch.randn(logp.shape, generator=g) * 0.2, 0.0)
+    rollout.advantages = torch.randn(len(rollout), generator=g)
+    return rollout
+
+
+def update_grads(module, rollout, micro_batch_size, aggregation) -> dict[str, torch.Tensor]:
+    module.micro_batch_size = micro_batch_size
+    module.objective = dataclasses.replace(module.objective, aggregation=aggregation)
+    before = params(module)
+    module.update(rollout)
+    assert max_diff(before, params(module)) == 0  # SGD with lr 0: the step leaves the policy unchanged
+    return grads(module)
+
+
+def test_gradient_does_not_depend_on_micro_batch_size(tmp_path):
+    module = make(OnlineRL, clip_low=0.2, clip_high=0.28, kl_coef=0.1, max_grad_norm=None,
+                  optimizer=partial(torch.optim.SGD, lr=0.0))
+
+    def experiment(trainer, module):
+        # single device: nothing to all-reduce. The module's own no_sync() recurses into itself here (see
+        # test_micro_batches_run_on_a_single_device), so stand in the no-op it should be
+        module.no_sync = contextlib.nullcontext
+        rollout = prepare_rollout(module, trainer)
+        mask = rollout.completion_mask.bool()
+        lengths = mask.sum(-1)
+        assert len(rollout) == 16 and len(set(lengths.tolist())) >= 3 and (lengths == 0).sum() == 2
+        r = torch.exp(module.logprobs(rollout) - rollout.old_logp)[mask]
+        adv = rollout.advantages[:, None].expand_as(mask)[mask]
+        assert ((r > 1.28) & (adv > 0)).any() and ((r < 0.8) & (adv < 0)).any()  # clipped on both sides
+        out = {}
+        for mode in AGGS:
+            whole = update_grads(module, rollout, None, mode)
+            for micro in (1, 3):  # 3 does not divide 16: the last micro-batch has one row
+                out[(mode, micro)] = (max_diff(update_grads(module, rollout, micro, mode), whole), norm(whole))
+        # control: normalising each micro-batch by its own counts changes the gradient
+        original = module.micro_loss
+
+        def local_counts(micro, num_tokens, num_seqs):
+            return original(micro, *normalizer_counts(micro.completion_mask))
+
+        module.micro_loss = local_counts
+        for mode in AGGS:
+            out[(mode, "local")] = max_diff(update_grads(module, rollout, 1, mode), update_grads(module, rollout, None, mode))
+        module.micro_loss = original
+        return out
+
+    out = probe(module, experiment, tmp_path)
+    for mode in AGGS:
+        for micro in (1, 3):
+            diff, scale = out[(mode, micro)]
+            assert scale > 1e-2, mode  # a real gradient
+            assert diff < 1e-6, (mode, micro, diff)
+        assert out[(mode, "local")] > 1e-3, mode
+
+
+def test_micro_batches_run_on_a_single_device(tmp_path):
+    module = make(GRPO, kl_coef=0.0, micro_batch_size=2)
+    trainer = make_trainer(tmp_path, max_steps=1)
+    trainer.fit(module, datamodule())
+    assert trainer.global_step == 1
+
+
+# -------------------------------------------------------------------------------- b. old-policy snapshot
+def test_single_update_skips_the_old_policy_forward_pass(tmp_path):
+    module = make(GRPO, kl_coef=0.0)
+    snap, cap = OldPolicySnapshot(), Capture()
+    policy_logprob_calls = []
+    original = module.logprobs
+
+    def spy(rollout, model=None):
+        if model is None:
+            policy_logprob_calls.append(len(rollout))
+        return original(rollout, model)
+
+    module.logprobs = spy
+    trainer = make_trainer(tmp_path, max_steps=2, callbacks=[snap, cap])
+    trainer.fit(module, datamodule())
+    assert trainer.global_step == 2 and len(cap.rollouts) == 2
+    assert snap.forward_passes == 0 and policy_logprob_calls == []
+    assert all(r.old_logp is None for r in cap.rollouts)
+
+
+def test_single_update_gradient_equals_recorded_old_logprobs(tmp_path):
+    module = make(GRPO, max_grad_norm=None, optimizer=partial(torch.optim.SGD, lr=0.0))
+
+    def experiment(trainer, module):
+        rollout, _ = module.generate_and_score(first_batch(trainer))
+        rollout.advantages = torch.randn(len(rollout), generator=torch.Generator().manual_seed(1))
+        rollout.ref_logp = module.logprobs(rollout, module._reference)
+        snap = next(cb for cb in trainer.callbacks if isinstance(cb, OldPolicySnapshot))
+        snap.on_rollout_end(trainer, module, rollout, {})
+        assert rollout.old_logp is None and snap.forward_passes == 0
+        module.update(rollout)
+        skipped = grads(module)
+        rollout.old_logp = module.logprobs(rollout)  # recorded explicitly: the behaviour policy's
+        module.update(rollout)
+        recorded = grads(module)
+        # with 2 updates per rollout the callback records exactly these log-probs, once
+        module.num_minibatches = 2
+        rollout.old_logp = None
+        snap.on_rollout_end(trainer, module, rollout, {})
+        assert snap.forward_passes == 1
+        torch.testing.assert_close(rollout.old_logp, module.logprobs(rollout), atol=0, rtol=0)
+        module.num_minibatches = 1
+        return skipped, recorded
+
+    skipped, recorded = probe(module, experiment, tmp_path)
+    assert norm(skipped) > 1e-2
+    assert max_diff(skipped, recorded) < 1e-6
+
+
+class OldLogpCheck(RLCallback):
+    """At each update of a step (after backward, before the optimiser step) compare the rollout's old
+    log-probs with the policy's current ones: equal before the first step, different after it."""
+
+    def __init__(self):
+        self.rollout, self.checks = None, []
+
+    def on_rollout_end(self, trainer, pl_module, rollout, stats):
+        self.rollout, self.seen = rollout, 0
+
+    def on_update_end(self, trainer, pl_module, metrics, weight):
+        if "policy/loss" not in metrics:
+            return
+        current = pl_module.logprobs(self.rollout)
+        self.checks.append((self.seen, float((current - self.rollout.old_logp).abs().max())))
+        self.seen += 1
+
+
+def test_two_minibatches_record_old_logprobs_once_per_step(tmp_path):
+    module = make(GRPO, num_minibatches=2, kl_coef=0.0)
+    snap, cap, check = OldPolicySnapshot(), Capture(), OldLogpCheck()
+    trainer = make_trainer(tmp_path, max_steps=4, callbacks=[snap, cap, check])  # 2 RL steps x 2 optimiser steps
+    trainer.fit(module, datamodule())
+    assert trainer.global_step == 4 and len(cap.rollouts) == 2
+    assert snap.forward_passes == 2
+    for r in cap.rollouts:
+        assert r.old_logp is not None and r.old_logp.shape == r.completion_mask.shape
+    first = [d for i, d in check.checks if i == 0]
+    second = [d for i, d in check.checks if i == 1]
+    assert len(first) == 2 and len(second) == 2
+    assert max(first) < 1e-6  # recorded from the behaviour policy, before any step
+    assert min(second) > 1e-6  # the second minibatch is off-policy: the recorded values were kept
+
+
+# ------------------------------------------------------------------------------------- c. end to end
+COMMON = ["rollout/reward_mean", "rollout/reward_std", "rollout/response_length_mean", "rollout/truncated_frac",
+          "rollout/zero_std_group_frac", "policy/loss", "policy/approx_kl",
+          "policy/entropy", "policy/ratio_mean", "policy/grad_norm", "val/accuracy", "val/reward_mean",
+          "perf/step_time", "perf/generation_time", "perf/tokens_per_sec"]
+CLIP = ["policy/clip_frac_low", "policy/clip_frac_high"]
+
+
+@pytest.mark.parametrize(("cls", "kw", "max_steps", "rl_steps", "extra", "absent"), [
+    (GRPO, {}, 3, 3, ["policy/kl_ref", *CLIP], ["policy/gate_weight_mean"]),
+    (GSPO, {"num_minibatches": 2}, 4, 2, CLIP, ["policy/kl_ref", "policy/gate_weight_mean"]),
+    (DAPO, {}, 3, 3, [*CLIP, "rollout/filtered_group_frac", "rollout/gen_batches"],
+     ["policy/kl_ref", "policy/gate_weight_mean"]),
+    (SAPO, {}, 3, 3, ["policy/gate_weight_mean"], ["policy/kl_ref", *CLIP]),  # a soft gate: nothing clips
+], ids=["GRPO", "GSPO", "DAPO", "SAPO"])
+def test_end_to_end(tmp_path, cls, kw, max_steps, rl_steps, extra, absent):
+    module = make(cls, **kw)
+    before = params(module)
+    cap = Capture()
+    trainer = make_trainer(tmp_path, max_steps=max_steps, callbacks=[cap], logger=CSVLogger(str(tmp_path)),
+                           limit_val_batches=1, val_check_interval=rl_steps, check_val_every_n_epoch=None,
+                           log_every_n_steps=1)
+    trainer.fit(module, datamodule())
+    assert trainer.global_step == max_steps and len(cap.rollouts) == rl_steps
+    assert max_diff(before, params(module)) > 0  # AdamW without weight decay: only a gradient moves it
+
+    logged = read_csv_metrics(tmp_path)
+    for name in COMMON + extra:
+        assert name in logged, (name, sorted(logged))
+        assert all(math.isfinite(v) for v in logged[name]), name
+    for name in absent:
+        assert name not in logged, name
+    for name in ("policy/loss", "rollout/reward_mean", "perf/step_time"):
+        assert len(logged[name]) == rl_steps, name  # once per RL step
+    assert len(logged["val/accuracy"]) == 1 and 0 <= logged["val/accuracy"][0] <= 1
+    assert all(1 <= v <= 8 for v in logged["rollout/response_length_mean"])
+    assert all(0 <= v <= 1 for k in ("rollout/truncated_frac", "rollout/zero_std_group_frac") for v in logged[k])
+    assert all(v > 0 for v in logged["perf/tokens_per_sec"] + logged["perf/generation_time"])
+    # the logged rollout statistics are those of the rollouts trained on
+    for value, r in zip(logged["rollout/reward_mean"], cap.rollouts, strict=True):
+        assert value == pytest.approx(float(r.rewards.mean()), abs=1e-6)
+    if cls is GRPO:  # one update per rollout: the ratio is exactly 1, nothing clips, KL(old || new) is 0
+        assert logged["policy/ratio_mean"] == [1.0] * 3 and logged["policy/approx_kl"] == [0.0] * 3
+        assert logged["policy/clip_frac_low"] == [0.0] * 3 and logged["policy/clip_frac_high"] == [0.0] * 3
+        assert logged["policy/kl_ref"][0] == pytest.approx(0.0, abs=1e-7)  # step 0: policy == reference
+        assert max(logged["policy/kl_ref"]) > 0
+        # the reference is the starting policy, frozen, and not part of the checkpointed state
+        ref = dict(module._reference.named_parameters())
+        assert ref.keys() == before.keys() and all(torch.equal(ref[n], v) for n, v in before.items())
+        assert not any("_reference" in k for k in module.state_dict())
+    else:
+        assert module._reference is None  # no KL term: no reference model
+    if cls is DAPO:
+        assert all(1 <= v <= 3 for v in logged["rollout/gen_batches"])
+        assert all(0 <= v <= 1 for v in logged["rollout/filtered_group_frac"])
+        for r in cap.rollouts:  # trained only on groups of mixed correctness, at most the target count
+            assert len(r) <= 16 and len(r) % 4 == 0
+            assert bool(dapo_group_keep(r.correct, 4).all())
+    if cls is SAPO:
+        assert all(0 < v <= 1 for v in logged["policy/gate_weight_mean"])
+
+
+# ------------------------------------------------------------------------------------ d. group filter
+def fake_rollout(correct: list[list[int]], tag: int, rewards: list[list[float]] | None = None) -> Rollout:
+    """Groups of ``len(correct[0])`` rows; ``lengths`` = 100 * tag + row, so kept rows can be traced."""
+    G, n = len(correct[0]), len(correct) * len(correct[0])
+    flat = torch.tensor([c for group in correct for c in group], dtype=torch.bool)
+    r = torch.tensor([x for group in rewards for x in group]) if rewards else flat.float()
+    return Rollout(
+        prompt_ids=torch.ones(n, 3, dtype=torch.long), prompt_mask=torch.ones(n, 3, dtype=torch.long),
+        completion_ids=torch.ones(n, 2 + tag, dtype=torch.long), completion_mask=torch.ones(n, 2 + tag, dtype=torch.long),
+        truncated=torch.zeros(n, dtype=torch.bool), lengths=torch.arange(n) + 100 * tag,
+        group_ids=torch.arange(len(correct)).repeat_interleave(G), rewards=r, correct=flat,
+        advantages=torch.zeros(n),
+    )
+
+
+class FakeModule:
+    """What DAPOGroupFilter needs from the module; ``add_stats`` is the real one."""
+
+    add_stats = OnlineRL.add_stats
+
+    def __init__(self, G, rounds):
+        self.num_generations, self.rounds = G, list(rounds)
+        self._stats = {"perf/generation_time": 1.0}
+        self.draws = 0
+
+    def draw_prompts(self):
+        self.draws += 1
+        return {"prompt": ["x"]}
+
+    def generate_and_score(self, batch):
+        assert batch == {"prompt": ["x"]}
+        return self.rounds.pop(0), {"perf/generation_time": 1.0}
+
+
+def run_filter(G, first, more, max_gen_batches):
+    module = FakeModule(G, more)
+    out = DAPOGroupFilter(max_gen_batches=max_gen_batches).on_rollout_scored(None, module, first)
+    return out, module
+
+
+def test_group_filter_refills_until_full_and_trims():
+    first = fake_rollout([[1, 1], [0, 1], [0, 0], [1, 0]], tag=0)  # keeps groups 1 and 3
+    second = fake_rollout([[0, 0], [1, 1], [0, 0], [0, 0]], tag=1)  # keeps nothing
+    third = fake_rollout([[1, 0], [0, 1], [1, 0], [1, 1]], tag=2)  # keeps 3 groups; only 2 fit
+    out, module = run_filter(2, first, [second, third], max_gen_batches=3)
+    assert module.draws == 2 and module.rounds == []
+    assert out.lengths.tolist() == [2, 3, 6, 7, 200, 201, 202, 203]  # target 4 groups, in order
+    assert out.num_groups == 4 and out.correct.tolist() == [False, True, True, False, True, False, False, True]
+    assert out.completion_ids.shape[1] == 4  # padded to the widest part
+    # 12 groups generated, 5 kept by the filter: 7 / 12 dropped; 3 rounds; generation time summed
+    assert module._stats["rollout/filtered_group_frac"] == pytest.approx(7 / 12)
+    assert module._stats["rollout/gen_batches"] == 3.0
+    assert module._stats["perf/generation_time"] == 3.0
+
+
+def test_group_filter_stops_when_full():
+    first = fake_rollout([[1, 0, 0], [0, 1, 1]], tag=0)
+    out, module = run_filter(3, first, [], max_gen_batches=3)
+    assert module.draws == 0 and out.lengths.tolist() == list(range(6))
+    assert module._stats["rollout/filtered_group_frac"] == 0.0 and module._stats["rollout/gen_batches"] == 1.0
+
+
+def test_group_filter_gives_up_after_max_gen_batches():
+    first = fake_rollout([[1, 1], [1, 0], [0, 0], [1, 1]], tag=0)
+    second = fake_rollout([[0, 0], [0, 0], [0, 1], [1, 1]], tag=1)
+    third = fake_rollout([[1, 0]] * 4, tag=2)  # never drawn
+    out, module = run_filter(2, first, [second, third], max_gen_batches=2)
+    assert module.draws == 1 and len(module.rounds) == 1
+    assert out.lengths.tolist() == [2, 3, 104, 105]
+    assert module._stats["rollout/filtered_group_frac"] == pytest.approx(1 - 2 / 8)
+    assert module._stats["rollout/gen_batches"] == 2.0
+
+
+def test_group_filter_uses_correctness_not_rewards():
+    # group 0: rewards differ (shaped) but all wrong -> dropped; group 1: equal rewards, mixed correctness -> kept
+    first = fake_rollout([[0, 0], [1, 0]], tag=0, rewards=[[-0.5, 0.0], [0.3, 0.3]])
+    out, module = run_filter(2, first, [], max_gen_batches=1)
+    assert out.lengths.tolist() == [2, 3]
+    assert module._stats["rollout/filtered_group_frac"] == 0.5
+
+
+def test_group_filter_everything_dropped():
+    out, module = run_filter(2, fake_rollout([[1, 1], [0, 0]], tag=0), [], max_gen_batches=1)
+    assert len(out) == 0
+    assert module._stats["rollout/filtered_group_frac"] == 1.0 and module._stats["rollout/gen_batches"] == 1.0
+
+
+def test_group_filter_validates_max_gen_batches():
+    with pytest.raises(ValueError, match="max_gen_batches"):
+        DAPOGroupFilter(max_gen_batches=0)
+
+
+# ------------------------------------------------------------------------------ e. bad input, early
+def fit_expecting(module, tmp_path, exc, match, dm=None):
+    before = params(module)
+    trainer = make_trainer(tmp_path, max_steps=2)
+    with pytest.raises(exc, match=match):
+        trainer.fit(module, dm or datamodule())
+    assert trainer.global_step == 0  # no optimiser step happened
+    assert max_diff(before, params(module)) == 0
+    return trainer
+
+
+def test_raising_reward_names_the_function(tmp_path):
+    module = make(reward_fns=[f"{HERE}:raising_reward"])
+    fit_expecting(module, tmp_path, RewardError, rf"`{HERE}:raising_reward` raised ZeroDivisionError: bad reward code")
+
+
+def test_nan_reward_names_function_and_sample(tmp_path):
+    module = make(reward_fns=["lightning_rl.rewards:exact_match", f"{HERE}:nan_reward"])
+    fit_expecting(module, tmp_path, RewardError, rf"`{HERE}:nan_reward` returned nan for sample 2")
+
+
+def test_reward_errors_zero_mode_scores_zero_and_counts(tmp_path):
+    module = make(reward_fns=[f"{HERE}:aligned_or_nan"], on_reward_error="zero")
+    cap = Capture()
+    trainer = make_trainer(tmp_path, max_steps=2, callbacks=[cap], logger=CSVLogger(str(tmp_path)), log_every_n_steps=1)
+    trainer.fit(module, datamodule())
+    # 16 samples per step, NaN at rows 0, 4, 8, 12 -> 4 errors scored 0, 12 scored 1
+    expected = torch.tensor([0.0, 1.0, 1.0, 1.0] * 4)
+    for r in cap.rollouts:
+        assert torch.equal(r.rewards, expected)
+    logged = read_csv_metrics(tmp_path)
+    assert logged["rollout/reward_errors"] == [4.0, 4.0]
+    assert logged["rollout/reward_mean"] == [0.75, 0.75]
+    # Bessel std of twelve 1s and four 0s: sqrt((4 * .75^2 + 12 * .25^2) / 15) = sqrt(0.2)
+    assert logged["rollout/reward_std"] == pytest.approx([math.sqrt(0.2)] * 2, rel=1e-6)
+    assert logged["rollout/zero_std_group_frac"] == [0.0, 0.0]
+
+
+def write_jsonl(path: Path, prompts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"prompt": p, "answer": "".join(sorted(p.rstrip("=")))}) + "\n" for p in prompts))
+    return path
+
+
+def test_long_prompt_fails_in_on_fit_start_naming_the_row(tmp_path):
+    CALLS["n"] = 0
+    prompts = ["12345=", "54321=", "1234567890123456789=", "11111="]
+    dm = PromptDataModule(path=str(write_jsonl(tmp_path / "p.jsonl", prompts)), batch_size=2)
+    module = make(reward_fns=[f"{HERE}:counting_reward"])
+    steps = []
+    module.training_step = lambda *a, **k: steps.append(1)
+    fit_expecting(module, tmp_path, ValueError, r"train row 2: prompt is 20 tokens, longer than "
+                                                r"`model.max_prompt_length`=16", dm=dm)
+    assert steps == [] and CALLS["n"] == 0  # before any training step or generation
+
+
+def bos_model(tmp_path) -> Path:
+    """The embedded model whose tokenizer adds <bos> to every encoding (as Llama / Gemma tokenizers do)."""
+    from lightning_rl.data.tiny_model import EMBEDDED_MODEL
+
+    folder = tmp_path / "bos_model"
+    shutil.copytree(EMBEDDED_MODEL, folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<bos>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"SpecialToken": {"id": "<bos>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                 {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<bos>": {"id": "<bos>", "ids": [1], "tokens": ["<bos>"]}},
+    }
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    return folder
+
+
+def test_bos_model_fixture_adds_bos(tmp_path):
+    module = make(model=str(bos_model(tmp_path)), max_prompt_length=6)
+    assert module.tokenizer("12345=")["input_ids"] == [module.tokenizer.bos_token_id] + module.tokenizer(
+        "12345=", add_special_tokens=False)["input_ids"]
+    ids, _ = module.encode_prompts(["1234="])  # 5 characters + BOS = 6 tokens: fits
+    assert ids.shape == (1, 6)
+
+
+def test_prompt_too_long_only_with_bos_fails_before_training(tmp_path):
+    # sort prompts are 6 characters; with <bos> they are 7 tokens > max_prompt_length 6: the promised
+    # early error (naming `model.max_prompt_length`) must come in on_fit_start, not from the first step
+    module = make(model=str(bos_model(tmp_path)), max_prompt_length=6)
+    fit_expecting(module, tmp_path, ValueError, "model.max_prompt_length")
+
+
+@pytest.mark.parametrize(("cls", "kw", "key"), [
+    (GRPO, {"num_generations": 1}, "model.num_generations"),
+    (GRPO, {"reward_fns": ["lightning_rl.rewards:exact_match"], "reward_weights": [1.0, 2.0]}, "model.reward_weights"),
+    (DAPO, {"overlong_buffer": 9}, "model.overlong_buffer"),
+    (GRPO, {"micro_batch_size": 0}, "model.micro_batch_size"),
+    (GRPO, {"ppo_epochs": 0}, "model.ppo_epochs"),
+    (GRPO, {"num_minibatches": 0}, "model.num_minibatches"),
+    (GRPO, {"on_reward_error": "ignore"}, "model.on_reward_error"),
+    (GRPO, {"aggregation": "sum"}, "model.aggregation"),
+    (SAPO, {"clip_ratio_c": 3.0}, "model.clip_ratio_c"),
+    (GRPO, {"model": "builtin:nope"}, "model.model"),
+])
+def test_config_errors_name_the_key(cls, kw, key):
+    with pytest.raises(ValueError, match=key):
+        make(cls, **kw)
+
+
+def test_dapo_overlong_buffer_defaults():
+    assert make(DAPO, max_new_tokens=10).overlong_buffer == 2  # a fifth of max_new_tokens
+    assert make(DAPO, max_new_tokens=4).overlong_buffer == 1
+    assert make(DAPO, overlong_buffer=0).overlong_buffer is None  # 0 turns it off
+    assert make(DAPO, overlong_buffer=8).overlong_buffer == 8
+
+
+# ---------------------------------------------------------------------------- f. truncation, overlong
+def test_mask_truncated_zeroes_truncated_rows(tmp_path):
+    module = make(GRPO, max_new_tokens=2, mask_truncated=True, kl_coef=0.0, max_grad_norm=None,
+                  optimizer=partial(torch.optim.SGD, lr=0.0))
+
+    def experiment(trainer, module):
+        batch = first_batch(trainer)
+        rollout, _ = module.generate_and_score(batch)
+        module.mask_truncated = False
+        plain, _ = module.generate_and_score(batch)
+        module.mask_truncated = True
+        rollout.advantages = torch.randn(len(rollout), generator=torch.Generator().manual_seed(0))
+        module.update(rollout)
+        return rollout, plain, grads(module)
+
+    rollout, plain, g = probe(module, experiment, tmp_path)
+    # sort answers need 6 tokens: with a budget of 2 every completion is truncated
+    assert rollout.truncated.all()
+    assert rollout.completion_mask.sum() == 0
+    assert rollout.lengths.tolist() == [2] * 16  # the sampled length, whatever the loss mask says
+    assert plain.completion_mask.sum(-1).tolist() == [2] * 16  # without the option they count
+    # nothing counts in the loss: a zero, finite gradient
+    assert all(torch.isfinite(v).all() and (v == 0).all() for v in g.values())
+
+
+def test_dapo_overlong_penalty_shapes_rewards_not_correctness(tmp_path):
+    module = make(DAPO, max_new_tokens=8, overlong_buffer=4, overlong_penalty_factor=0.5, dynamic_sampling=False)
+
+    def experiment(trainer, module):
+        batch = first_batch(trainer)
+        rollout, _ = module.generate_and_score(batch)
+        texts = module.decode(rollout.completion_ids, rollout.completion_mask)
+        answers = [a for a in batch["answer"] for _ in range(4)]
+        return rollout, texts, answers
+
+    rollout, texts, answers = probe(module, experiment, tmp_path)
+    exact = torch.tensor([float(t.strip() == a) for t, a in zip(texts, answers, strict=True)])
+    lengths = rollout.lengths.float()
+    # by hand: expected length 8 - 4 = 4; L <= 4 -> 0, 4 < L <= 8 -> (4 - L) / 4, L > 8 -> -1
+    penalty = torch.tensor([0.0 if n <= 4 else (4 - n) / 4 if n <= 8 else -1.0 for n in lengths.tolist()])
+    torch.testing.assert_close(penalty, overlong_penalty(rollout.lengths, 8, 4).float())
+    assert (penalty < 0).any()
+    torch.testing.assert_close(rollout.rewards, exact + 0.5 * penalty)
+    assert rollout.correct.tolist() == exact.bool().tolist()  # correctness is not shaped
