@@ -21,23 +21,33 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(name: str) -> dict:
-    out = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
-    cmd = [sys.executable, "-m", "lightning_rl.cli", "fit", "--config", str(ROOT / "configs" / f"{name}.yaml"),
+def _scalars(log_dir: Path) -> dict[str, list[float]]:
+    (events,) = glob.glob(f"{log_dir}/**/events.out.tfevents.*", recursive=True)
+    acc = EventAccumulator(events, size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def _cli(subcommand: str, name: str, out: Path) -> float:
+    cmd = [sys.executable, "-m", "lightning_rl.cli", subcommand, "--config", str(ROOT / "configs" / f"{name}.yaml"),
            "--trainer.logger.init_args.save_dir", str(out), "--trainer.enable_progress_bar", "false"]
     start = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    seconds = time.perf_counter() - start
-    (events,) = glob.glob(f"{out}/**/events.out.tfevents.*", recursive=True)
-    acc = EventAccumulator(events, size_guidance={"scalars": 0})
-    acc.Reload()
-    val = [e.value for e in acc.Scalars("val/accuracy")]
+    return time.perf_counter() - start
+
+
+def run(name: str) -> dict:
+    """``validate`` (the starting model), then ``fit``; figures from their TensorBoard events."""
+    out = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
+    _cli("validate", name, out / "start")
+    seconds = _cli("fit", name, out / "fit")
+    start, end = _scalars(out / "start"), _scalars(out / "fit")
     steps = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())["trainer"]["max_steps"]
-    extra = {}
-    if "val/rewards/accuracy" in acc.Tags()["scalars"]:
-        pref = [e.value for e in acc.Scalars("val/rewards/accuracy")]
-        extra = {"pref_start": pref[0], "pref_end": pref[-1]}
-    return {"name": name, "start": val[0], "end": val[-1], "steps": steps, "seconds": seconds, **extra}
+    result = {"name": name, "start": start["val/accuracy"][0], "end": end["val/accuracy"][-1], "steps": steps,
+              "seconds": seconds}
+    if "val/rewards/accuracy" in end:
+        result.update(pref_start=start["val/rewards/accuracy"][0], pref_end=end["val/rewards/accuracy"][-1])
+    return result
 
 
 def main(names: list[str]) -> None:

@@ -6,7 +6,8 @@ if __name__ != "lightning_rl.data":  # the folder sits at the repo root; `data` 
         "Install lightning-rl (`pip install -e .`) and import `lightning_rl.data`."
     )
 
+from lightning_rl.data.preference import PreferenceDataModule  # noqa: E402
 from lightning_rl.data.prompts import PromptDataModule  # noqa: E402
 from lightning_rl.data.sort_task import SortTask  # noqa: E402
 
-__all__ = ["PromptDataModule", "SortTask"]
+__all__ = ["PreferenceDataModule", "PromptDataModule", "SortTask"]

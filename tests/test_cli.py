@@ -16,7 +16,7 @@ ALL_CONFIGS = sorted(p for p in CONFIGS.rglob("*.yaml"))
 
 def test_configs_exist():
     names = {p.name for p in ALL_CONFIGS}
-    assert {"sft.yaml", "grpo.yaml", "gspo.yaml", "dapo.yaml", "sapo.yaml"} <= names
+    assert {"sft.yaml", "grpo.yaml", "gspo.yaml", "dapo.yaml", "sapo.yaml", "dpo.yaml"} <= names
 
 
 @pytest.mark.parametrize("config", ALL_CONFIGS, ids=lambda p: str(p.relative_to(CONFIGS)))

@@ -3,10 +3,10 @@
 from lightning_rl.algorithms.base import OnlineRL
 from lightning_rl.algorithms.common import PolicyModule
 from lightning_rl.algorithms.dapo import DAPO
+from lightning_rl.algorithms.dpo import DPO
 from lightning_rl.algorithms.grpo import GRPO
 from lightning_rl.algorithms.gspo import GSPO
 from lightning_rl.algorithms.sapo import SAPO
 from lightning_rl.algorithms.sft import SFT
 
-__all__ = ["DAPO", "GRPO", "GSPO", "SAPO", "SFT", "OnlineRL", "PolicyModule"]
-from lightning_rl.algorithms.dpo import DPO  # noqa: F401
+__all__ = ["DAPO", "DPO", "GRPO", "GSPO", "SAPO", "SFT", "OnlineRL", "PolicyModule"]

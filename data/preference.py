@@ -1,0 +1,385 @@
+"""PreferenceDataModule: (prompt, chosen, rejected) pairs for DPO, and their tokenisation.
+
+Rows stay raw (dicts of strings or chat messages) like ``PromptDataModule``'s: the LightningModule owns
+the tokenizer and calls :func:`encode_pairs`. Training batches come from the same endless, seeded
+``PromptStream`` whose position is saved in the checkpoint, so a resumed run sees exactly the pairs an
+uninterrupted run would.
+
+Accepted row forms (TRL's): plain text (``prompt``, ``chosen``, ``rejected`` strings); conversational,
+with ``prompt`` a list of ``{"role", "content"}`` messages and ``chosen`` / ``rejected`` lists holding
+the assistant turn; and conversational with an implicit prompt (no prompt column: ``chosen`` and
+``rejected`` are whole conversations and their shared leading messages are the prompt).
+
+The built-in pairs (``path: null``) come from the sort task: chosen is the correct answer, rejected a
+wrong answer sampled from the warm-started ``builtin:tiny-sort`` model. They are shipped in
+``files/`` and regenerated with ``python -m lightning_rl.data.preference --make-sort-pairs DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_rl.data.prompts import FILE_BUILDERS, PromptStream, check_rows, collate, load_rows
+from lightning_rl.data.sort_task import SortTask
+
+FILES = Path(__file__).resolve().parent / "files"
+BUILTIN_TRAIN = FILES / "sort_pairs_train.jsonl"
+BUILTIN_VAL = FILES / "sort_pairs_val.jsonl"
+
+
+# ------------------------------------------------------------------------------------------ tokenisation
+@dataclass
+class EncodedPairs:
+    """A tokenised batch of ``B`` pairs: rows ``0..B-1`` are the chosen, ``B..2B-1`` the rejected sequences.
+
+    Attributes:
+        prompt_ids: ``[2B, P]`` long, left-padded (each prompt appears twice).
+        prompt_mask: ``[2B, P]`` long 0/1, 1 on real prompt tokens.
+        completion_ids: ``[2B, C]`` long, right-padded; EOS ends each completion unless cut.
+        completion_mask: ``[2B, C]`` long 0/1, 1 on the completion tokens that are scored.
+        prompt_truncated: pairs whose prompt lost tokens on the left (``max_prompt_length``).
+        completion_truncated: completions (of the ``2B``) cut on the right (``max_completion_length``).
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    prompt_truncated: int
+    completion_truncated: int
+
+    def to(self, device: torch.device | str) -> EncodedPairs:
+        move = {k: getattr(self, k).to(device) for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        return EncodedPairs(**move, prompt_truncated=self.prompt_truncated, completion_truncated=self.completion_truncated)
+
+
+def _messages(value: Any, role: str) -> list[dict[str, Any]]:
+    return [{"role": role, "content": value}] if isinstance(value, str) else list(value)
+
+
+def render_pair(tokenizer: Any, prompt: Any, completion: Any, chat_template: bool) -> tuple[str, str, bool]:
+    """Render one prompt and one completion as text.
+
+    Plain strings are used as they are unless ``chat_template``. Otherwise (or when either is a list of
+    messages) the prompt is rendered with the chat template and a generation prompt, the completion is
+    the rest of the rendered full conversation, as in TRL.
+
+    Returns:
+        ``(prompt_text, completion_text, templated)``.
+    """
+    if isinstance(prompt, str) and isinstance(completion, str) and not chat_template:
+        return prompt, completion, False
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("conversational rows (or `model.chat_template`) need a tokenizer with a chat template")
+    prompt_msgs = _messages(prompt, "user")
+    prompt_text = tokenizer.apply_chat_template(prompt_msgs, tokenize=False, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(prompt_msgs + _messages(completion, "assistant"), tokenize=False)
+    if not full.startswith(prompt_text):
+        raise ValueError(
+            f"the chat template does not render prompt {prompt!r} as a prefix of prompt + completion; "
+            "use plain-text rows or a template whose generation prompt is a prefix"
+        )
+    return prompt_text, full[len(prompt_text) :], True
+
+
+def _pad(rows: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        span = slice(width - len(r), width) if left else slice(0, len(r))
+        ids[i, span] = torch.tensor(r, dtype=torch.long)
+        mask[i, span] = 1
+    return ids, mask
+
+
+def encode_pairs(
+    tokenizer: Any,
+    prompts: list[Any],
+    chosen: list[Any],
+    rejected: list[Any],
+    *,
+    max_prompt_length: int,
+    max_completion_length: int,
+    chat_template: bool = False,
+) -> EncodedPairs:
+    """Tokenise ``B`` pairs into one ``2B``-row batch (chosen rows first) for a single forward pass.
+
+    Prompts keep their last ``max_prompt_length`` tokens (cut on the left, so the text nearest the answer
+    stays); completions get EOS appended (unless the chat template already ended the turn with it) and
+    keep their first ``max_completion_length`` tokens. Plain-text prompts are encoded with the
+    tokenizer's special tokens (as ``Policy.encode_prompts`` does for generation); templated text and
+    completions without them.
+    """
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    pad = eos if pad is None else pad
+    prompt_rows: list[list[int]] = []
+    completion_rows: list[list[int]] = []
+    prompt_cut = completion_cut = 0
+    for side in (chosen, rejected):
+        for p, c in zip(prompts, side, strict=True):
+            p_text, c_text, templated = render_pair(tokenizer, p, c, chat_template)
+            p_ids = tokenizer(p_text, add_special_tokens=not templated)["input_ids"]
+            c_ids = tokenizer(c_text, add_special_tokens=False)["input_ids"]
+            if eos not in c_ids:
+                c_ids = c_ids + [eos]
+            if side is chosen:  # count each pair's prompt once
+                prompt_cut += len(p_ids) > max_prompt_length
+            completion_cut += len(c_ids) > max_completion_length
+            prompt_rows.append(p_ids[-max_prompt_length:])
+            completion_rows.append(c_ids[:max_completion_length])
+    prompt_ids, prompt_mask = _pad(prompt_rows, pad, left=True)
+    completion_ids, completion_mask = _pad(completion_rows, pad, left=False)
+    return EncodedPairs(prompt_ids, prompt_mask, completion_ids, completion_mask, prompt_cut, completion_cut)
+
+
+# ------------------------------------------------------------------------------------------------- rows
+def split_implicit_prompt(chosen: list[Any], rejected: list[Any]) -> tuple[list[Any], list[Any], list[Any]]:
+    """TRL's implicit prompt: the leading messages shared by both conversations are the prompt.
+
+    Returns:
+        ``(prompt, chosen_rest, rejected_rest)``; the prompt is empty if the first messages differ.
+    """
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    return list(chosen[:n]), list(chosen[n:]), list(rejected[n:])
+
+
+def _load(path: str, split: str = "train", name: str | None = None) -> list[dict[str, Any]]:
+    try:
+        return load_rows(path, split, name)
+    except StopIteration:  # how `datasets` fails on an empty JSON Lines file
+        return []
+    except ValueError as err:  # ... and on an empty Parquet file
+        if "corresponds to no data" in str(err):
+            return []
+        raise
+
+
+def _check_messages(value: Any, where: str) -> None:
+    if isinstance(value, str):
+        return
+    if not isinstance(value, list):  # e.g. CSV type inference turned "01358" into the int 1358
+        raise ValueError(f"{where} must be a string or a list of messages, got {type(value).__name__} {value!r}")
+    for m in value:
+        if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
+            raise ValueError(f"{where} must be a string or a list of {{'role', 'content'}} messages, got {m!r}")
+
+
+class PreferenceDataModule(L.LightningDataModule):
+    """Preference pairs for DPO: the built-in sort pairs by default, or your own data.
+
+    Args:
+        path: a JSONL / JSON / CSV / Parquet file, a ``save_to_disk`` folder or a hub dataset name;
+            ``None`` uses the built-in sort-task pairs (held-out pairs use held-out sort prompts only).
+        val_path: held-out pairs in the same forms; ``None`` takes ``val_split`` of ``path`` if it
+            exists, else no validation.
+        split: split of ``path`` to train on.
+        val_split: split of ``path`` (or ``val_path``) to validate on.
+        name: dataset config name for hub datasets.
+        prompt_column: column holding the prompt (text or chat messages). If the data has no such
+            column and the completions are conversations, their shared leading messages are the prompt.
+        chosen_column: column holding the preferred completion (text or the assistant message list).
+        rejected_column: column holding the dispreferred completion.
+        answer_column: column with a verifiable reference answer; where the data has it, validation
+            also reports greedy ``val/accuracy``. Ignored when absent.
+        batch_size: pairs per training step on each rank.
+        val_batch_size: pairs per validation batch.
+        max_val_rows: validate on at most this many held-out pairs (``None``: all).
+        seed: seed of the training order.
+        shuffle: shuffle the training pairs each epoch.
+    """
+
+    def __init__(
+        self,
+        path: str | None = None,
+        val_path: str | None = None,
+        split: str = "train",
+        val_split: str = "test",
+        name: str | None = None,
+        prompt_column: str = "prompt",
+        chosen_column: str = "chosen",
+        rejected_column: str = "rejected",
+        answer_column: str | None = "answer",
+        batch_size: int = 8,
+        val_batch_size: int = 64,
+        max_val_rows: int | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1 or val_batch_size < 1:
+            raise ValueError(f"`data.batch_size` and `data.val_batch_size` must be >= 1, got {batch_size}, {val_batch_size}")
+        self.path, self.val_path, self.split, self.val_split, self.name = path, val_path, split, val_split, name
+        self.prompt_column, self.chosen_column, self.rejected_column = prompt_column, chosen_column, rejected_column
+        self.answer_column = answer_column
+        self.batch_size, self.val_batch_size, self.max_val_rows = batch_size, val_batch_size, max_val_rows
+        self.seed, self.shuffle = seed, shuffle
+        self.train_rows: list[dict[str, Any]] = []
+        self.val_rows: list[dict[str, Any]] = []
+        self.batches_consumed = 0  # restored from checkpoints; the next training batch index
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_rows:
+            return
+        if self.path is None:
+            train, val, source = _load(str(BUILTIN_TRAIN)), _load(str(BUILTIN_VAL)), "built-in sort pairs"
+        else:
+            train, val, source = _load(self.path, self.split, self.name), self._load_val(), f"`data.path`={self.path}"
+        self.train_rows = self.prepare_rows(train, f"{source} (split {self.split})")
+        if val:
+            self.val_rows = self.prepare_rows(val, f"validation data of {source}")[: self.max_val_rows]
+
+    def _load_val(self) -> list[dict[str, Any]]:
+        local = Path(self.path)
+        if self.val_path is None and (local.suffix in FILE_BUILDERS or (local.is_dir() and not (local / "dataset_dict.json").exists())):
+            return []  # one file or one saved Dataset has no held-out split (load_rows would return the training rows)
+        try:
+            return _load(self.val_path or self.path, self.val_split, self.name)
+        except (ValueError, KeyError):
+            if self.val_path is not None:
+                raise
+            return []  # `path` has no held-out split: train without validation
+
+    def prepare_rows(self, rows: list[dict[str, Any]], source: str) -> list[dict[str, Any]]:
+        """Check ``rows`` and expose them as ``prompt`` / ``chosen`` / ``rejected`` (+ ``answer``).
+
+        Raises:
+            ValueError: naming the row and the ``data.*`` key, for an empty dataset, a missing column,
+                an empty field, malformed messages or identical chosen and rejected completions.
+        """
+        columns = {"data.chosen_column": self.chosen_column, "data.rejected_column": self.rejected_column}
+        check_rows(rows, columns, source)
+        implicit = self.prompt_column not in rows[0] and isinstance(rows[0][self.chosen_column], list)
+        if not implicit:
+            check_rows(rows, {"data.prompt_column": self.prompt_column}, source)
+        answer = self.answer_column if self.answer_column in rows[0] else None
+        if answer is not None:
+            check_rows(rows, {"data.answer_column": answer}, source)
+        return [self._canonical(i, row, implicit, answer, source) for i, row in enumerate(rows)]
+
+    def _canonical(self, i: int, row: dict[str, Any], implicit: bool, answer: str | None, source: str) -> dict[str, Any]:
+        chosen, rejected = row[self.chosen_column], row[self.rejected_column]
+        where = f"dataset {source}, row {i}"
+        if implicit:
+            if not isinstance(rejected, list):
+                raise ValueError(f"{where}: column `{self.rejected_column}` (data.rejected_column) must be messages like `{self.chosen_column}`")
+            prompt, chosen, rejected = split_implicit_prompt(chosen, rejected)
+            if not prompt and chosen != rejected:
+                raise ValueError(
+                    f"{where}: no column `{self.prompt_column}` (data.prompt_column) and the conversations "
+                    f"in `{self.chosen_column}` / `{self.rejected_column}` share no leading prompt messages"
+                )
+        else:
+            prompt = row[self.prompt_column]
+        for key, column, value in (
+            ("data.prompt_column", self.prompt_column, prompt),
+            ("data.chosen_column", self.chosen_column, chosen),
+            ("data.rejected_column", self.rejected_column, rejected),
+        ):
+            _check_messages(value, f"{where}: column `{column}` ({key})")
+        if chosen == rejected:
+            raise ValueError(
+                f"{where}: chosen and rejected completions are identical (columns `{self.chosen_column}` / "
+                f"`{self.rejected_column}`, data.chosen_column / data.rejected_column)"
+            )
+        out = {**row, "prompt": prompt, "chosen": chosen, "rejected": rejected}
+        if answer is not None:
+            out["answer"] = row[answer]
+        return out
+
+    def train_dataloader(self) -> DataLoader:
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        stream = PromptStream(self.train_rows, self.batch_size, self.seed, self.shuffle, rank, world, self.batches_consumed)
+        return DataLoader(stream, batch_size=None, num_workers=0)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if not self.val_rows:
+            return []
+        return DataLoader(self.val_rows, batch_size=self.val_batch_size, shuffle=False, collate_fn=collate)
+
+    def state_dict(self) -> dict[str, Any]:
+        consumed = self.batches_consumed
+        if self.trainer is not None:  # batches whose training step has run (prefetched ones don't count)
+            consumed = self.trainer.fit_loop.epoch_loop.batch_progress.total.processed
+        return {"batches_consumed": consumed}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.batches_consumed = int(state_dict["batches_consumed"])
+
+
+# ------------------------------------------------------------------------------------ built-in sort pairs
+def _corrupt(answer: str) -> str:
+    """A deterministic wrong answer, for the rare prompt whose every sample was correct."""
+    swapped = answer[-1] + answer[:-1]
+    return swapped if swapped != answer else answer[:-1] + str((int(answer[-1]) + 1) % 10)
+
+
+def sort_pairs(policy: Any, rows: list[dict[str, str]], tag: str, num_samples: int = 8, chunk: int = 64) -> list[dict[str, str]]:
+    """One pair per sort row: chosen = the answer, rejected = the first wrong sample of ``policy``.
+
+    Each chunk of ``chunk`` rows is sampled under its own seed (from ``tag`` and the chunk index), so a
+    prefix of the output can be regenerated alone.
+    """
+    pairs = []
+    for start in range(0, len(rows), chunk):
+        part = rows[start : start + chunk]
+        torch.manual_seed(zlib.crc32(f"{tag}-{start // chunk}".encode()))
+        ids, mask = policy.encode_prompts([r["prompt"] for r in part])
+        gen = policy.generate(ids, mask, num_samples=num_samples, max_new_tokens=len(part[0]["answer"]) + 3, temperature=1.0)
+        texts = policy.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
+        for i, row in enumerate(part):
+            samples = texts[i * num_samples : (i + 1) * num_samples]
+            wrong = [s for s in samples if s.strip() and s.strip() != row["answer"]]
+            rejected = wrong[0] if wrong else _corrupt(row["answer"])
+            pairs.append({"prompt": row["prompt"], "chosen": row["answer"], "rejected": rejected, "answer": row["answer"]})
+    return pairs
+
+
+def make_sort_pairs(out_dir: str, num_train: int = 4096, seed: int = 0) -> list[Path]:
+    """Write ``sort_pairs_train.jsonl`` (training sort prompts) and ``sort_pairs_val.jsonl`` (the task's
+    held-out prompts only) with rejected answers sampled from ``builtin:tiny-sort``.
+
+    Deterministic for a given torch build (one CPU thread, fixed per-chunk seeds).
+    """
+    from lightning_rl.algorithms.common import load_policy
+
+    policy = load_policy("builtin:tiny-sort")
+    task = SortTask(seed=seed)
+    splits = {"train": [task.train_row(i) for i in range(num_train)], "val": task.val_rows()}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for split, rows in splits.items():
+        target = out / f"sort_pairs_{split}.jsonl"
+        with target.open("w") as f:
+            for pair in sort_pairs(policy, rows, f"sort-pairs-{split}-{seed}"):
+                f.write(json.dumps(pair) + "\n")
+        written.append(target)
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--make-sort-pairs", metavar="DIR", required=True, help="write the built-in pairs here")
+    parser.add_argument("--num-train", type=int, default=4096)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    for path in make_sort_pairs(args.make_sort_pairs, args.num_train, args.seed):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
