@@ -4,7 +4,6 @@ algorithm with their metrics, DAPO's group filter, bad input caught before any s
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import dataclasses
 import glob
@@ -168,9 +167,6 @@ def test_gradient_does_not_depend_on_micro_batch_size(tmp_path):
                   optimizer=partial(torch.optim.SGD, lr=0.0))
 
     def experiment(trainer, module):
-        # single device: nothing to all-reduce. The module's own no_sync() recurses into itself here (see
-        # test_micro_batches_run_on_a_single_device), so stand in the no-op it should be
-        module.no_sync = contextlib.nullcontext
         rollout = prepare_rollout(module, trainer)
         mask = rollout.completion_mask.bool()
         lengths = mask.sum(-1)

@@ -1,0 +1,72 @@
+"""One RL update on a fixed rollout, on 1 process or under DDP on 2 gloo ranks; rank 0 saves the gradients.
+
+    python tests/ddp_update.py OUT.pt DEVICES MICRO_BATCH_SIZE
+
+Every rank builds the same 16-row rollout (seeded), then takes rows ``rank::world``, so the ranks hold
+different numbers of tokens. Used by tests/test_distributed.py: the gradient must not depend on the
+world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from functools import partial
+
+import lightning as L
+import torch
+
+from lightning_rl.algorithms import GRPO
+from lightning_rl.data import PromptDataModule
+from lightning_rl.rollout import Rollout
+
+
+def fixed_rollout(module: GRPO) -> Rollout:
+    prompts = ["12345=", "907=", "5555123=", "31="]
+    ids, mask = module.encode_prompts(prompts)
+    torch.manual_seed(0)
+    gen = module.policy.generate(ids, mask, num_samples=4, max_new_tokens=8)
+    g = torch.Generator().manual_seed(1)
+    n = len(gen.completion_ids)
+    completion_mask = gen.completion_mask.clone()
+    completion_mask[3] = 0  # an empty row
+    rollout = Rollout(gen.prompt_ids, gen.prompt_mask, gen.completion_ids, completion_mask, gen.truncated,
+                      gen.lengths, torch.arange(4).repeat_interleave(4), torch.rand(n, generator=g),
+                      torch.zeros(n, dtype=torch.bool), advantages=torch.randn(n, generator=g))
+    logp = module.logprobs(rollout)
+    valid = completion_mask.bool()
+    rollout.old_logp = torch.where(valid, logp + 0.3 * torch.randn(logp.shape, generator=g), 0.0)
+    rollout.ref_logp = torch.where(valid, logp + 0.2 * torch.randn(logp.shape, generator=g), 0.0)
+    return rollout
+
+
+class Probe(GRPO):
+    def training_step(self, batch, batch_idx):
+        rollout = fixed_rollout(self)
+        world, rank = self.trainer.world_size, self.global_rank
+        grads = {}
+        for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
+            self.objective = dataclasses.replace(self.objective, aggregation=mode)
+            self.update(rollout.select(torch.arange(rank, len(rollout), world)))
+            grads[mode] = {n: p.grad.detach().clone() for n, p in self.policy.named_parameters()}
+        if rank == 0:
+            torch.save(grads, sys.argv[1])
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    out, devices, micro = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    module = Probe(model="builtin:tiny-sort", max_new_tokens=8, max_prompt_length=16, num_generations=4,
+                   micro_batch_size=None if micro == "none" else int(micro),
+                   clip_low=0.2, clip_high=0.28, kl_coef=0.1, max_grad_norm=None,
+                   optimizer=partial(torch.optim.SGD, lr=0.0))
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_steps=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0,
+                        default_root_dir=os.path.dirname(out))
+    trainer.fit(module, PromptDataModule(batch_size=2))
+
+
+if __name__ == "__main__":
+    main()
