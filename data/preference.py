@@ -24,11 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
-from torch.utils.data import DataLoader
 
-from lightning_rl.data.prompts import FILE_BUILDERS, PromptStream, check_rows, collate, load_rows
+from lightning_rl.data.prompts import RowsDataModule, check_rows, load_rows
 from lightning_rl.data.sort_task import SortTask
 
 FILES = Path(__file__).resolve().parent / "files"
@@ -155,17 +153,6 @@ def split_implicit_prompt(chosen: list[Any], rejected: list[Any]) -> tuple[list[
     return list(chosen[:n]), list(chosen[n:]), list(rejected[n:])
 
 
-def _load(path: str, split: str = "train", name: str | None = None) -> list[dict[str, Any]]:
-    try:
-        return load_rows(path, split, name)
-    except StopIteration:  # how `datasets` fails on an empty JSON Lines file
-        return []
-    except ValueError as err:  # ... and on an empty Parquet file
-        if "corresponds to no data" in str(err):
-            return []
-        raise
-
-
 def _check_messages(value: Any, where: str) -> None:
     if isinstance(value, str):
         return
@@ -176,7 +163,7 @@ def _check_messages(value: Any, where: str) -> None:
             raise ValueError(f"{where} must be a string or a list of {{'role', 'content'}} messages, got {m!r}")
 
 
-class PreferenceDataModule(L.LightningDataModule):
+class PreferenceDataModule(RowsDataModule):
     """Preference pairs for DPO: the built-in sort pairs by default, or your own data.
 
     Args:
@@ -225,31 +212,17 @@ class PreferenceDataModule(L.LightningDataModule):
         self.answer_column = answer_column
         self.batch_size, self.val_batch_size, self.max_val_rows = batch_size, val_batch_size, max_val_rows
         self.seed, self.shuffle = seed, shuffle
-        self.train_rows: list[dict[str, Any]] = []
-        self.val_rows: list[dict[str, Any]] = []
-        self.batches_consumed = 0  # restored from checkpoints; the next training batch index
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_rows:
             return
         if self.path is None:
-            train, val, source = _load(str(BUILTIN_TRAIN)), _load(str(BUILTIN_VAL)), "built-in sort pairs"
+            train, val, source = load_rows(str(BUILTIN_TRAIN)), load_rows(str(BUILTIN_VAL)), "built-in sort pairs"
         else:
-            train, val, source = _load(self.path, self.split, self.name), self._load_val(), f"`data.path`={self.path}"
+            train, val, source = load_rows(self.path, self.split, self.name), self.load_val(), f"`data.path`={self.path}"
         self.train_rows = self.prepare_rows(train, f"{source} (split {self.split})")
         if val:
             self.val_rows = self.prepare_rows(val, f"validation data of {source}")[: self.max_val_rows]
-
-    def _load_val(self) -> list[dict[str, Any]]:
-        local = Path(self.path)
-        if self.val_path is None and (local.suffix in FILE_BUILDERS or (local.is_dir() and not (local / "dataset_dict.json").exists())):
-            return []  # one file or one saved Dataset has no held-out split (load_rows would return the training rows)
-        try:
-            return _load(self.val_path or self.path, self.val_split, self.name)
-        except (ValueError, KeyError):
-            if self.val_path is not None:
-                raise
-            return []  # `path` has no held-out split: train without validation
 
     def prepare_rows(self, rows: list[dict[str, Any]], source: str) -> list[dict[str, Any]]:
         """Check ``rows`` and expose them as ``prompt`` / ``chosen`` / ``rejected`` (+ ``answer``).
@@ -297,26 +270,6 @@ class PreferenceDataModule(L.LightningDataModule):
         if answer is not None:
             out["answer"] = row[answer]
         return out
-
-    def train_dataloader(self) -> DataLoader:
-        trainer = self.trainer
-        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-        stream = PromptStream(self.train_rows, self.batch_size, self.seed, self.shuffle, rank, world, self.batches_consumed)
-        return DataLoader(stream, batch_size=None, num_workers=0)
-
-    def val_dataloader(self) -> DataLoader | list:
-        if not self.val_rows:
-            return []
-        return DataLoader(self.val_rows, batch_size=self.val_batch_size, shuffle=False, collate_fn=collate)
-
-    def state_dict(self) -> dict[str, Any]:
-        consumed = self.batches_consumed
-        if self.trainer is not None:  # batches whose training step has run (prefetched ones don't count)
-            consumed = self.trainer.fit_loop.epoch_loop.batch_progress.total.processed
-        return {"batches_consumed": consumed}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.batches_consumed = int(state_dict["batches_consumed"])
 
 
 # ------------------------------------------------------------------------------------ built-in sort pairs

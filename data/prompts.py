@@ -132,7 +132,54 @@ def collate(rows: list[dict[str, Any]]) -> dict[str, list]:
     return {key: [row[key] for row in rows] for key in rows[0]}
 
 
-class PromptDataModule(L.LightningDataModule):
+class RowsDataModule(L.LightningDataModule):
+    """What the row-based DataModules share: the checkpointed training stream, validation and held-out loading.
+
+    Subclasses set ``path``, ``val_path``, ``val_split``, ``name``, ``batch_size``, ``val_batch_size``,
+    ``seed``, ``shuffle`` and fill ``train_rows`` / ``val_rows`` in ``setup``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.train_rows: list[dict[str, Any]] = []
+        self.val_rows: list[dict[str, Any]] = []
+        self.batches_consumed = 0  # restored from checkpoints; the next training batch index
+
+    def rank_and_world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def stream(self, seed: int, start: int) -> PromptStream:
+        return PromptStream(self.train_rows, self.batch_size, seed, self.shuffle, *self.rank_and_world(), start)
+
+    def load_val(self) -> list[dict[str, Any]]:
+        """``val_path`` (its ``val_split``), else ``path``'s ``val_split`` if it has one, else no rows."""
+        try:
+            return load_rows(self.val_path or self.path, self.val_split, self.name, require_split=self.val_path is None)
+        except (ValueError, KeyError):
+            if self.val_path is not None:
+                raise
+            return []  # `path` has no held-out split: train without validation
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.stream(self.seed, self.batches_consumed), batch_size=None, num_workers=0)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if not self.val_rows:
+            return []
+        return DataLoader(self.val_rows, batch_size=self.val_batch_size, shuffle=False, collate_fn=collate)
+
+    def state_dict(self) -> dict[str, Any]:
+        consumed = self.batches_consumed
+        if self.trainer is not None:  # batches whose training step has run (prefetched ones don't count)
+            consumed = self.trainer.fit_loop.epoch_loop.batch_progress.total.processed
+        return {"batches_consumed": consumed}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.batches_consumed = int(state_dict["batches_consumed"])
+
+
+class PromptDataModule(RowsDataModule):
     """Prompts for RL and SFT: the built-in sort task by default, or your own data.
 
     Args:
@@ -177,9 +224,6 @@ class PromptDataModule(L.LightningDataModule):
         self.batch_size, self.val_batch_size, self.max_val_rows = batch_size, val_batch_size, max_val_rows
         self.seed, self.shuffle = seed, shuffle
         self.task = SortTask(num_digits=sort_digits, seed=seed) if path is None else None
-        self.train_rows: list[dict[str, Any]] = []
-        self.val_rows: list[dict[str, Any]] = []
-        self.batches_consumed = 0  # restored from checkpoints; the next training batch index
         self.refills_consumed = 0  # batches drawn by dynamic sampling, from a separately seeded stream
         self._refill: Iterator[dict[str, list]] | None = None
 
@@ -193,7 +237,7 @@ class PromptDataModule(L.LightningDataModule):
         else:
             self.train_rows = load_rows(self.path, self.split, self.name)
             check_rows(self.train_rows, columns, f"`data.path`={self.path} (split {self.split})")
-            self.val_rows = self._load_val()
+            self.val_rows = self.load_val()
         if self.val_rows:
             check_rows(self.val_rows, columns, f"validation data of `data.path`={self.path}")
         if self.max_val_rows is not None:
@@ -208,49 +252,23 @@ class PromptDataModule(L.LightningDataModule):
             out["answer"] = row[self.answer_column]
         return out
 
-    def _load_val(self) -> list[dict[str, Any]]:
-        source = self.val_path or self.path
-        try:
-            return load_rows(source, self.val_split, self.name, require_split=self.val_path is None)
-        except (ValueError, KeyError):
-            if self.val_path is not None:
-                raise
-            return []  # `path` has no held-out split: train without validation
-
-    def train_dataloader(self) -> DataLoader:
-        trainer = self.trainer
-        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-        stream = PromptStream(self.train_rows, self.batch_size, self.seed, self.shuffle, rank, world, self.batches_consumed)
-        return DataLoader(stream, batch_size=None, num_workers=0)
-
     def refill_batch(self) -> dict[str, list]:
         """One more prompt batch for dynamic sampling (DAPO), from its own seeded stream.
 
         Its position is checkpointed like the main stream's, so refills replay exactly on resume.
         """
         if self._refill is None:
-            rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
-            stream = PromptStream(self.train_rows, self.batch_size, self.seed + 7919, self.shuffle, rank, world,
-                                  self.refills_consumed)
-            self._refill = iter(stream)
+            self._refill = iter(self.stream(self.seed + 7919, self.refills_consumed))
         self.refills_consumed += 1
         return next(self._refill)
 
-    def val_dataloader(self) -> DataLoader | list:
-        if not self.val_rows:
-            return []
-        return DataLoader(self.val_rows, batch_size=self.val_batch_size, shuffle=False, collate_fn=collate)
-
     def state_dict(self) -> dict[str, Any]:
-        trainer = self.trainer
-        consumed = self.batches_consumed
-        if trainer is not None:  # batches whose training step has run (prefetched ones don't count)
-            consumed = trainer.fit_loop.epoch_loop.batch_progress.total.processed
-        return {"batches_consumed": consumed, "refills_consumed": self.refills_consumed}
+        return {**super().state_dict(), "refills_consumed": self.refills_consumed}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.batches_consumed = int(state_dict["batches_consumed"])
+        super().load_state_dict(state_dict)
         self.refills_consumed = int(state_dict.get("refills_consumed", 0))
         self._refill = None
+
 
 

@@ -82,3 +82,15 @@ def test_embedded_model_is_shipped():
 
     assert (ROOT / "data" / "tiny_sort" / "model.safetensors").exists()
     assert EMBEDDED_MODEL.endswith("tiny_sort")
+
+
+def test_grpo_config_learns(tmp_path):
+    """The demo config, cut to 50 steps, lifts held-out greedy accuracy well above the warm start (0.562)."""
+    run_cli("fit", "--config", CONFIGS / "grpo.yaml", "--trainer.max_steps", "50", "--trainer.val_check_interval", "50",
+            "--trainer.logger.init_args.save_dir", tmp_path, "--trainer.enable_progress_bar", "false")
+    (run_dir,) = (tmp_path / "lightning-rl").glob("version_*")
+    logged = scalars(run_dir)
+    acc = [v for _, v in logged["val/accuracy"]]
+    assert acc[-1] >= 0.66, acc
+    rewards = [v for _, v in sorted(logged["rollout/reward_mean"])]
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10, "training reward should rise"
