@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 
 from lightning_rl.algorithms.common import PolicyModule, _columns, _has_callback
-from lightning_rl.losses import group_advantages, normalizer_counts
+from lightning_rl.losses import group_advantages, masked_mean, normalizer_counts
 from lightning_rl.objective import Objective
 from lightning_rl.rewards import RewardScorer, import_reward, overlong_reward
 from lightning_rl.rollout import Rollout
@@ -270,7 +270,7 @@ class OnlineRL(PolicyModule):
             for cb in self.rl_callbacks():
                 cb.on_update_end(self.trainer, self, metrics, share)
         if self.max_grad_norm is not None:
-            norm = self.clip_gradients_(opt)
+            norm = self.clip_gradients_()
             for cb in self.rl_callbacks():
                 cb.on_update_end(self.trainer, self, {"policy/grad_norm": norm}, 1.0)
         opt.step()
@@ -278,7 +278,7 @@ class OnlineRL(PolicyModule):
         if scheduler is not None:
             scheduler.step()
 
-    def clip_gradients_(self, opt: Any) -> torch.Tensor:
+    def clip_gradients_(self) -> torch.Tensor:
         params = [p for p in self.policy.parameters() if p.grad is not None]
         if not params:
             return torch.zeros((), device=self.device)
@@ -303,8 +303,7 @@ class OnlineRL(PolicyModule):
         old_logp = micro.old_logp if micro.old_logp is not None else logp.detach()
         loss, metrics = self.objective(logp, old_logp, micro.ref_logp, micro.advantages, micro.completion_mask,
                                        num_tokens=num_tokens, num_seqs=num_seqs)
-        mask = micro.completion_mask.bool()
-        metrics["policy/entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp_min(1)
+        metrics["policy/entropy"] = masked_mean(entropy.detach(), micro.completion_mask.bool())
         return loss, metrics
 
     # ---- validation -----------------------------------------------------------------------------
