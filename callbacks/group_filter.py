@@ -37,21 +37,21 @@ class DAPOGroupFilter(RLCallback):
         groups = dapo_group_keep(rollout.correct, group_size)
         return rollout.select(groups.repeat_interleave(group_size))
 
-    def on_rollout_scored(self, trainer: L.Trainer, pl_module: Any, rollout: Rollout) -> Rollout:
+    def on_rollout_scored(
+        self, trainer: L.Trainer, pl_module: Any, rollout: Rollout
+    ) -> tuple[Rollout, dict[str, float]]:
         G = pl_module.num_generations
         target = rollout.num_groups
         kept = [self.keep(rollout, G)]
-        generated, rounds = target, 1
+        generated, rounds, stats = target, 1, {}
         while sum(len(k) for k in kept) < target * G and rounds < self.max_gen_batches:
-            more, stats = pl_module.generate_and_score(pl_module.draw_prompts())
-            pl_module.add_stats(stats)
+            more, more_stats = pl_module.generate_and_score(pl_module.draw_prompts())
+            stats = {k: stats.get(k, 0.0) + v for k, v in more_stats.items()}
             kept.append(self.keep(more, G))
             generated += more.num_groups
             rounds += 1
         out = Rollout.cat([k for k in kept if len(k)]) if any(len(k) for k in kept) else kept[0]
         out = out.select(torch.arange(min(len(out), target * G), device=out.rewards.device))
-        pl_module.add_stats({
-            "rollout/filtered_group_frac": 1.0 - sum(len(k) for k in kept) / G / generated,
-            "rollout/gen_batches": float(rounds),
-        })
-        return out
+        stats["rollout/filtered_group_frac"] = 1.0 - sum(len(k) for k in kept) / G / generated
+        stats["rollout/gen_batches"] = float(rounds)
+        return out, stats

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
@@ -39,7 +40,6 @@ class PolicyMetrics(RLCallback):
 
     def __init__(self) -> None:
         self.metrics: dict[str, MeanMetric] = {}
-        self._stats: dict[str, Any] = {}
 
     def _update(self, device: torch.device, name: str, value: Any, weight: float) -> None:
         if name not in self.metrics:
@@ -47,18 +47,17 @@ class PolicyMetrics(RLCallback):
         value = torch.as_tensor(value, dtype=torch.float32, device=device)
         self.metrics[name].update(value, torch.as_tensor(weight, dtype=torch.float32, device=device))
 
-    def on_rollout_end(self, trainer: L.Trainer, pl_module: Any, rollout: Rollout, stats: dict[str, Any]) -> None:
+    def on_rollout_end(self, trainer: L.Trainer, pl_module: Any, rollout: Rollout) -> None:
         if len(rollout):
             for name, (value, weight) in rollout_stats(rollout, pl_module.num_generations).items():
                 self._update(pl_module.device, name, value, weight)
-        self._stats = stats  # perf/* are completed by the module at the end of the step
 
     def on_update_end(self, trainer: L.Trainer, pl_module: Any, metrics: dict[str, Any], weight: float) -> None:
         for name, value in metrics.items():
             self._update(pl_module.device, name, value, weight)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        for name, value in self._stats.items():
+    def on_step_end(self, trainer: L.Trainer, pl_module: Any, stats: Mapping[str, float]) -> None:
+        for name, value in stats.items():
             if name.startswith(("perf/", "rollout/")) and name != "perf/generated_tokens":
                 self._update(pl_module.device, name, value, 1.0)
         for name in sorted(self.metrics):
@@ -67,4 +66,3 @@ class PolicyMetrics(RLCallback):
                 pl_module.log(name, metric.compute(), on_step=True, on_epoch=False, batch_size=1,
                               prog_bar=name in ("rollout/reward_mean",))
             metric.reset()
-        self._stats = {}

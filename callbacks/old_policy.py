@@ -22,7 +22,7 @@ class OldPolicySnapshot(RLCallback):
     def __init__(self) -> None:
         self.forward_passes = 0  # how many snapshots were computed (tests and logs read it)
 
-    def on_rollout_end(self, trainer: L.Trainer, pl_module: Any, rollout: Rollout, stats: dict[str, Any]) -> None:
+    def on_rollout_end(self, trainer: L.Trainer, pl_module: Any, rollout: Rollout) -> None:
         if pl_module.updates_per_rollout == 1 or len(rollout) == 0:
             rollout.old_logp = None
             return

@@ -306,7 +306,7 @@ def make_sort_pairs(out_dir: str, num_train: int = 4096, seed: int = 0) -> list[
 
     Deterministic for a given torch build (one CPU thread, fixed per-chunk seeds).
     """
-    from lightning_rl.algorithms.common import load_policy
+    from lightning_rl.models import load_policy
 
     policy = load_policy("builtin:tiny-sort")
     task = SortTask(seed=seed)

@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI
 
-from lightning_rl.algorithms.common import PolicyModule
+from lightning_rl.algorithms.base import PolicyModule
 
 DEFAULT_LOGGER = {
     "class_path": "lightning.pytorch.loggers.TensorBoardLogger",

@@ -7,11 +7,9 @@ completion length (right-padded), ``V`` vocabulary size.
 from __future__ import annotations
 
 import copy
-import inspect
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import transformers
@@ -25,9 +23,9 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
 )
+
+from lightning_rl.scoring import ReferencePolicy, TokenScorer, base_model, eval_mode
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 # transformers renamed `torch_dtype` to `dtype` in 4.56; we support older releases too.
@@ -78,24 +76,6 @@ def completion_mask(completion_ids: Tensor, eos_token_id: int) -> tuple[Tensor, 
     return (eos_before == 0).long(), is_eos.sum(-1) == 0
 
 
-@contextmanager
-def _eval_mode(module: nn.Module) -> Iterator[None]:
-    """Run without dropout, then restore each submodule's own mode (they may differ)."""
-    modes = [(m, m.training) for m in module.modules()]
-    module.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
-
-
-def _base_model(model: nn.Module) -> nn.Module:
-    """The transformers model under a PEFT wrapper (the one owning ``generation_config``)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
-
 def _is_peft(model: nn.Module) -> bool:
     try:
         from peft import PeftModel
@@ -111,7 +91,7 @@ def _plain_generation_config(model: nn.Module) -> Iterator[None]:
     transformers fills every option we leave unset from it (repetition_penalty, min_p, extra EOS
     ids, ...), which would make sampling differ from the distribution ``token_logprobs`` scores.
     """
-    base = _base_model(model)
+    base = base_model(model)
     saved = base.generation_config
     base.generation_config = GenerationConfig()
     try:
@@ -120,120 +100,7 @@ def _plain_generation_config(model: nn.Module) -> Iterator[None]:
         base.generation_config = saved
 
 
-def _filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
-    """Apply top-k then top-p exactly as ``generate`` does (same HF warpers, same order)."""
-    shape = logits.shape
-    flat = logits.reshape(-1, shape[-1])  # the warpers expect [batch, vocab]
-    if top_k > 0:
-        flat = TopKLogitsWarper(top_k=top_k)(None, flat)
-    if top_p < 1.0:
-        flat = TopPLogitsWarper(top_p=top_p)(None, flat)
-    return flat.reshape(shape)
-
-
-class _Scorer(nn.Module):
-    """Scores completion tokens with ``self._scoring()``'s model; shared by policy and reference."""
-
-    def _scoring(self) -> tuple[nn.Module, AbstractContextManager]:
-        raise NotImplementedError
-
-    def token_logprobs(
-        self,
-        prompt_ids: Tensor,
-        prompt_mask: Tensor,
-        completion_ids: Tensor,
-        completion_mask: Tensor,
-        *,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        with_entropy: bool = False,
-    ) -> tuple[Tensor, Tensor | None]:
-        """Log-probs of the completion tokens, from one forward pass over prompt + completion.
-
-        Pass the ``temperature``, ``top_k`` and ``top_p`` that sampled the tokens: the scores are
-        those of the same tempered (and filtered, renormalised) distribution. With filtering, a
-        valid token can still score ``-inf`` if numerics drift it out of the kept set.
-
-        Args:
-            prompt_ids: ``[N, P]`` left-padded prompt tokens; ``prompt_mask`` 1 on real ones.
-            completion_ids: ``[N, C]`` completion tokens; ``completion_mask`` 1 on real ones.
-            temperature: sampling temperature (> 0).
-            top_k: top-k filtering used while sampling (0 = off).
-            top_p: top-p filtering used while sampling (1.0 = off).
-            with_entropy: also return the entropy of each position's distribution.
-
-        Returns:
-            ``(logp, entropy)``: ``[N, C]`` float32 (0 on masked positions), and ``[N, C]`` float32
-            or None.
-        """
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0 to score tokens, got {temperature}")
-        model, context = self._scoring()
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
-        # Left padding shifts every token: positions must count real tokens only (absolute-position
-        # models such as GPT-2 are off by ~0.4 nats otherwise).
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        # Position t predicts token t+1: completion tokens come from positions P-1 .. P+C-2. Asking
-        # the model for the last C+1 positions only skips the [N, P, V] prompt logits.
-        keep = completion_ids.shape[1] + 1
-        params = inspect.signature(_base_model(model).forward).parameters
-        extra = {name: keep for name in ("logits_to_keep", "num_logits_to_keep") if name in params}
-        with context:
-            out = model(
-                input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **extra
-            )
-        logits = out.logits[:, -keep:-1].float() / temperature
-        if top_k > 0 or top_p < 1.0:
-            logits = _filter_logits(logits, top_k, top_p)
-        logp_all = torch.log_softmax(logits, dim=-1)
-        logp = logp_all.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
-        # Padding may hold tokens filtered to -inf: keep masked positions finite for the callers' sums.
-        logp = logp.masked_fill(completion_mask == 0, 0.0)
-        if not with_entropy:
-            return logp, None
-        # Filtered tokens have p = 0 and log p = -inf: count them as 0, not NaN.
-        return logp, -(logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)
-
-    def forward(self, *args: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
-        """Same as ``token_logprobs``, so that DDP / FSDP wrappers route through it."""
-        return self.token_logprobs(*args, **kwargs)
-
-
-class ReferencePolicy(_Scorer):
-    """The frozen reference policy for KL terms and DPO; ``token_logprobs`` never tracks gradients.
-
-    Either owns a frozen copy of the policy's model (a registered submodule, so ``.to()`` moves it),
-    or, for a PEFT model, runs the policy's own model with the adapters disabled: no second copy.
-    """
-
-    def __init__(self, model: nn.Module, *, shares_weights: bool) -> None:
-        super().__init__()
-        self.shares_weights = shares_weights
-        if shares_weights:
-            # Not registered: the weights belong to the policy (no duplicate in state_dict / .to()).
-            self.__dict__["_shared_model"] = model
-        else:
-            self.model = model.requires_grad_(False).eval()
-
-    def train(self, mode: bool = True) -> ReferencePolicy:
-        """Stay in eval mode: a parent's ``.train()`` must not turn dropout on in the reference."""
-        return super().train(False)
-
-    @contextmanager
-    def _frozen(self, model: nn.Module) -> Iterator[None]:
-        adapters_off = model.disable_adapter() if self.shares_weights else nullcontext()
-        # The shared model is in train mode while the policy trains: no dropout for the reference.
-        with torch.no_grad(), adapters_off, _eval_mode(model):
-            yield
-
-    def _scoring(self) -> tuple[nn.Module, AbstractContextManager]:
-        model = self.__dict__["_shared_model"] if self.shares_weights else self.model
-        return model, self._frozen(model)
-
-
-class Policy(_Scorer):
+class Policy(TokenScorer):
     """A Hugging Face causal LM plus its tokenizer.
 
     Args:
@@ -407,7 +274,7 @@ class Policy(_Scorer):
             **sampling,
         )
         # Eval mode: no dropout while sampling (and gradient checkpointing would turn the cache off).
-        with _eval_mode(self.model), _plain_generation_config(self.model):
+        with eval_mode(self.model), _plain_generation_config(self.model):
             out = self.model.generate(
                 input_ids=prompt_ids,
                 attention_mask=prompt_mask,

@@ -78,7 +78,7 @@ def test_sft_regenerates_the_embedded_model(tmp_path):
 
 
 def test_embedded_model_is_shipped():
-    from lightning_rl.data.tiny_model import EMBEDDED_MODEL
+    from lightning_rl.models import EMBEDDED_MODEL
 
     assert (ROOT / "data" / "tiny_sort" / "model.safetensors").exists()
     assert EMBEDDED_MODEL.endswith("tiny_sort")

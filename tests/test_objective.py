@@ -238,6 +238,28 @@ def test_gspo_preset_equals_gspo_loss_with_clipped_sequences():
         torch.testing.assert_close(grad[i], expected, atol=1e-12, rtol=1e-9)
 
 
+def test_gspo_metrics_are_per_sequence_in_training_and_contract():
+    # Rows of unequal length, so token-weighted and sequence-weighted means differ:
+    # row 0: 3 tokens, log r = (0.01, 0.02, 0.03) -> log s = 0.02, s = 1.0202013 > 1 + 4e-4, A = +1: clipped high
+    # row 1: 1 token,  log r = -1e-4            -> s = 0.9999000, inside [1 - 3e-4, 1 + 4e-4]: not clipped
+    # per sequence: clip_frac = 1/2, clip_frac_high = 1/2, clip_frac_low = 0
+    #   ratio_mean = (1.0202013 + 0.9999000) / 2 = 1.0100507
+    #   approx_kl = mean of (s - 1) - log s: row 0 0.0202013 - 0.02 = 2.01340e-4, row 1 -1e-4 + 1e-4 = 5.0e-9
+    #   -> (2.0134003e-4 + 5.0e-9) / 2 = 1.0067251e-4
+    # (token-weighted, clip_frac would be 3/4 and ratio_mean (3 * 1.0202013 + 0.9999) / 4 = 1.0151260)
+    logp = torch.tensor([[0.01, 0.02, 0.03], [-1e-4, 0.0, 0.0]], dtype=F64)
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    old, adv = torch.zeros(2, 3, dtype=F64), torch.tensor([1.0, 1.0], dtype=F64)
+    expected = {"policy/clip_frac": 0.5, "policy/clip_frac_high": 0.5, "policy/clip_frac_low": 0.0,
+                "policy/ratio_mean": 1.0100507, "policy/approx_kl": 1.0067251e-4}
+    training = Objective(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4)(logp, old, None, adv, mask)[1]
+    contract = L.gspo_loss(logp, old, adv, mask)[1]
+    for metrics in (training, contract):
+        for key, value in expected.items():
+            assert metrics[key].item() == pytest.approx(value, rel=1e-6, abs=1e-12), key
+    assert training.keys() == contract.keys()
+
+
 def test_gspo_hand_value():
     # two tokens with log-ratios 1e-3 and 3e-3: s = e^0.002 = 1.002002 > 1 + 4e-4, A = +1:
     # objective min(1.002002, 1.0004) = 1.0004 -> loss -1.0004, gradient 0
@@ -384,11 +406,14 @@ def test_algorithm_presets_build_these_objectives():
     from lightning_rl.algorithms import DAPO, GRPO, GSPO, SAPO
 
     common = dict(model="builtin:tiny-sort", max_new_tokens=8, max_prompt_length=16, num_generations=2)
-    assert GRPO(**common).objective == Objective("token", "clip", 0.2, 0.2, None, aggregation="seq-mean-token-mean",
+    assert GRPO(**common).objective == Objective(ratio_level="token", trust_region="clip", clip_low=0.2, clip_high=0.2,
+                                                 clip_ratio_c=None, aggregation="seq-mean-token-mean",
                                                  kl_coef=0.04, kl_estimator="k3")
-    assert GSPO(**common).objective == Objective("sequence", "clip", 3e-4, 4e-4, aggregation="seq-mean-token-mean")
-    assert DAPO(**common).objective == Objective("token", "clip", 0.2, 0.28, aggregation="token-mean")
-    assert SAPO(**common).objective == Objective("token", "soft_gate", tau_pos=1.0, tau_neg=1.05,
+    assert GSPO(**common).objective == Objective(ratio_level="sequence", trust_region="clip", clip_low=3e-4,
+                                                 clip_high=4e-4, aggregation="seq-mean-token-mean")
+    assert DAPO(**common).objective == Objective(ratio_level="token", trust_region="clip", clip_low=0.2,
+                                                 clip_high=0.28, aggregation="token-mean")
+    assert SAPO(**common).objective == Objective(ratio_level="token", trust_region="soft_gate", tau_pos=1.0, tau_neg=1.05,
                                                  aggregation="seq-mean-token-mean")
     # the composed axes stay open on every preset
     assert SAPO(**common, aggregation="token-mean").objective.aggregation == "token-mean"

@@ -1,4 +1,4 @@
-"""Tests for the shared online RL step (lightning_rl.algorithms.base.OnlineRL) and its callbacks, on the
+"""Tests for the shared online RL step (lightning_rl.algorithms.online.OnlineRL) and its callbacks, on the
 embedded tiny model: micro-batch gradient invariance, the old-policy snapshot, end-to-end runs of every
 algorithm with their metrics, DAPO's group filter, bad input caught before any step, and truncation."""
 
@@ -19,6 +19,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_rl.algorithms import DAPO, GRPO, GSPO, SAPO, OnlineRL
+from lightning_rl.algorithms.online import merge_stats
 from lightning_rl.callbacks import DAPOGroupFilter, OldPolicySnapshot
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.data import PromptDataModule
@@ -104,7 +105,7 @@ class Capture(RLCallback):
     def __init__(self):
         self.rollouts: list[Rollout] = []
 
-    def on_rollout_end(self, trainer, pl_module, rollout, stats):
+    def on_rollout_end(self, trainer, pl_module, rollout):
         self.rollouts.append(rollout)
 
 
@@ -235,7 +236,7 @@ def test_single_update_gradient_equals_recorded_old_logprobs(tmp_path):
         rollout.advantages = torch.randn(len(rollout), generator=torch.Generator().manual_seed(1))
         rollout.ref_logp = module.logprobs(rollout, module._reference)
         snap = next(cb for cb in trainer.callbacks if isinstance(cb, OldPolicySnapshot))
-        snap.on_rollout_end(trainer, module, rollout, {})
+        snap.on_rollout_end(trainer, module, rollout)
         assert rollout.old_logp is None and snap.forward_passes == 0
         module.update(rollout)
         skipped = grads(module)
@@ -245,7 +246,7 @@ def test_single_update_gradient_equals_recorded_old_logprobs(tmp_path):
         # with 2 updates per rollout the callback records exactly these log-probs, once
         module.num_minibatches = 2
         rollout.old_logp = None
-        snap.on_rollout_end(trainer, module, rollout, {})
+        snap.on_rollout_end(trainer, module, rollout)
         assert snap.forward_passes == 1
         torch.testing.assert_close(rollout.old_logp, module.logprobs(rollout), atol=0, rtol=0)
         module.num_minibatches = 1
@@ -263,7 +264,7 @@ class OldLogpCheck(RLCallback):
     def __init__(self):
         self.rollout, self.checks = None, []
 
-    def on_rollout_end(self, trainer, pl_module, rollout, stats):
+    def on_rollout_end(self, trainer, pl_module, rollout):
         self.rollout, self.seen = rollout, 0
 
     def on_update_end(self, trainer, pl_module, metrics, weight):
@@ -368,13 +369,10 @@ def fake_rollout(correct: list[list[int]], tag: int, rewards: list[list[float]] 
 
 
 class FakeModule:
-    """What DAPOGroupFilter needs from the module; ``add_stats`` is the real one."""
-
-    add_stats = OnlineRL.add_stats
+    """What DAPOGroupFilter needs from the module."""
 
     def __init__(self, G, rounds):
         self.num_generations, self.rounds = G, list(rounds)
-        self._stats = {"perf/generation_time": 1.0}
         self.draws = 0
 
     def draw_prompts(self):
@@ -388,7 +386,9 @@ class FakeModule:
 
 def run_filter(G, first, more, max_gen_batches):
     module = FakeModule(G, more)
-    out = DAPOGroupFilter(max_gen_batches=max_gen_batches).on_rollout_scored(None, module, first)
+    out, stats = DAPOGroupFilter(max_gen_batches=max_gen_batches).on_rollout_scored(None, module, first)
+    # the step merges the filter's statistics into its own (first round: 1 s of generation)
+    module.stats = merge_stats({"perf/generation_time": 1.0}, stats)
     return out, module
 
 
@@ -402,16 +402,16 @@ def test_group_filter_refills_until_full_and_trims():
     assert out.num_groups == 4 and out.correct.tolist() == [False, True, True, False, True, False, False, True]
     assert out.completion_ids.shape[1] == 4  # padded to the widest part
     # 12 groups generated, 5 kept by the filter: 7 / 12 dropped; 3 rounds; generation time summed
-    assert module._stats["rollout/filtered_group_frac"] == pytest.approx(7 / 12)
-    assert module._stats["rollout/gen_batches"] == 3.0
-    assert module._stats["perf/generation_time"] == 3.0
+    assert module.stats["rollout/filtered_group_frac"] == pytest.approx(7 / 12)
+    assert module.stats["rollout/gen_batches"] == 3.0
+    assert module.stats["perf/generation_time"] == 3.0
 
 
 def test_group_filter_stops_when_full():
     first = fake_rollout([[1, 0, 0], [0, 1, 1]], tag=0)
     out, module = run_filter(3, first, [], max_gen_batches=3)
     assert module.draws == 0 and out.lengths.tolist() == list(range(6))
-    assert module._stats["rollout/filtered_group_frac"] == 0.0 and module._stats["rollout/gen_batches"] == 1.0
+    assert module.stats["rollout/filtered_group_frac"] == 0.0 and module.stats["rollout/gen_batches"] == 1.0
 
 
 def test_group_filter_gives_up_after_max_gen_batches():
@@ -421,8 +421,8 @@ def test_group_filter_gives_up_after_max_gen_batches():
     out, module = run_filter(2, first, [second, third], max_gen_batches=2)
     assert module.draws == 1 and len(module.rounds) == 1
     assert out.lengths.tolist() == [2, 3, 104, 105]
-    assert module._stats["rollout/filtered_group_frac"] == pytest.approx(1 - 2 / 8)
-    assert module._stats["rollout/gen_batches"] == 2.0
+    assert module.stats["rollout/filtered_group_frac"] == pytest.approx(1 - 2 / 8)
+    assert module.stats["rollout/gen_batches"] == 2.0
 
 
 def test_group_filter_uses_correctness_not_rewards():
@@ -430,13 +430,13 @@ def test_group_filter_uses_correctness_not_rewards():
     first = fake_rollout([[0, 0], [1, 0]], tag=0, rewards=[[-0.5, 0.0], [0.3, 0.3]])
     out, module = run_filter(2, first, [], max_gen_batches=1)
     assert out.lengths.tolist() == [2, 3]
-    assert module._stats["rollout/filtered_group_frac"] == 0.5
+    assert module.stats["rollout/filtered_group_frac"] == 0.5
 
 
 def test_group_filter_everything_dropped():
     out, module = run_filter(2, fake_rollout([[1, 1], [0, 0]], tag=0), [], max_gen_batches=1)
     assert len(out) == 0
-    assert module._stats["rollout/filtered_group_frac"] == 1.0 and module._stats["rollout/gen_batches"] == 1.0
+    assert module.stats["rollout/filtered_group_frac"] == 1.0 and module.stats["rollout/gen_batches"] == 1.0
 
 
 def test_group_filter_validates_max_gen_batches():
@@ -501,7 +501,7 @@ def test_long_prompt_fails_in_on_fit_start_naming_the_row(tmp_path):
 
 def bos_model(tmp_path) -> Path:
     """The embedded model whose tokenizer adds <bos> to every encoding (as Llama / Gemma tokenizers do)."""
-    from lightning_rl.data.tiny_model import EMBEDDED_MODEL
+    from lightning_rl.models import EMBEDDED_MODEL
 
     folder = tmp_path / "bos_model"
     shutil.copytree(EMBEDDED_MODEL, folder)
@@ -554,6 +554,11 @@ def test_dapo_overlong_buffer_defaults():
     assert make(DAPO, max_new_tokens=4).overlong_buffer == 1
     assert make(DAPO, overlong_buffer=0).overlong_buffer is None  # 0 turns it off
     assert make(DAPO, overlong_buffer=8).overlong_buffer == 8
+    # resolved inside OnlineRL from the module's real max_new_tokens, for any preset
+    assert make(GRPO, overlong_buffer="auto", max_new_tokens=20).overlong_buffer == 4
+    assert make(GRPO).overlong_buffer is None  # off unless asked for
+    with pytest.raises(ValueError, match="model.overlong_buffer"):
+        make(DAPO, max_new_tokens=8, overlong_buffer=9)
 
 
 # ---------------------------------------------------------------------------- f. truncation, overlong

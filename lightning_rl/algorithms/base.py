@@ -1,314 +1,197 @@
-"""The shared online RL step: one ``training_step`` = one RL iteration (manual optimisation).
+"""What every algorithm shares: the policy, its optimiser, prompt rendering and greedy validation.
 
-prompt batch -> G completions per prompt -> rewards -> group advantages -> (callbacks: dynamic
-sampling) -> reference log-probs if a KL term is on -> (callbacks: old-policy log-probs, metrics)
--> ``ppo_epochs`` passes over ``num_minibatches`` minibatches, each split into micro-batches whose
-losses are normalised by the counts of the whole minibatch (all ranks), so the gradient does not
-depend on micro-batch size, accumulation or world size.
+``PolicyModule`` is the base of every LightningModule here (SFT, DPO and the online RL family). The
+``__init__`` signature is the config schema: LightningCLI turns it into YAML keys under ``model:``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any
 
+import lightning as L
 import torch
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_rl.algorithms.common import PolicyModule, _columns, _has_callback
-from lightning_rl.losses import group_advantages, masked_mean, normalizer_counts
-from lightning_rl.objective import Objective
-from lightning_rl.rewards import RewardScorer, import_reward, overlong_reward
-from lightning_rl.rollout import Rollout
+from lightning_rl.models import load_policy
+from lightning_rl.rewards import import_reward
 
 
-class OnlineRL(PolicyModule):
-    """Online RL on prompts with verifiable or model-scored rewards (GRPO family; PPO extends it).
+def render_prompts(tokenizer: Any, prompts: Sequence[Any], chat_template: bool) -> list[str]:
+    """Prompt texts as the model sees them.
+
+    A prompt that is a list of ``{"role", "content"}`` messages is always rendered with the
+    tokenizer's chat template; a plain string is rendered as one user message when ``chat_template``.
+    """
+    out = []
+    for p in prompts:
+        if isinstance(p, str) and not chat_template:
+            out.append(p)
+            continue
+        messages = [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("`model.chat_template` is on (or prompts are messages) but the tokenizer has no chat template")
+        out.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    return out
+
+
+class PolicyModule(L.LightningModule):
+    """Base LightningModule: owns the ``Policy`` and evaluates it greedily on held-out prompts.
 
     Args:
-        num_generations: completions sampled per prompt (G >= 2); the group of a group-relative baseline.
-        temperature, top_p, top_k: sampling settings; log-probs are computed on the same tempered,
-            filtered distribution.
-        reward_fns: reward functions by import path, ``package.module:function``.
-        reward_weights: one weight per reward function (default 1 each).
-        correctness_fn: ``module:function`` deciding correctness (dynamic sampling, ``val/accuracy``);
-            ``None`` uses ``accuracy_fn``.
-        on_reward_error: ``raise`` stops on a reward function error or NaN; ``zero`` scores it 0 and
-            counts it in ``rollout/reward_errors``.
-        scale_advantages: divide group-centred rewards by the group std (``False``: Dr. GRPO).
-        ppo_epochs: passes over each rollout.
-        num_minibatches: optimiser steps per pass (each rank splits its rollout into this many).
-        micro_batch_size: rows per forward/backward (``None``: a whole minibatch at once).
-        max_grad_norm: gradient clipping by global norm (``None``: off).
-        ratio_level, trust_region, clip_low, clip_high, clip_ratio_c, tau_pos, tau_neg, aggregation,
-            kl_coef, kl_estimator: the objective axes, see :class:`lightning_rl.objective.Objective`.
-        overlong_buffer: DAPO soft overlong punishment over the last this-many tokens of
-            ``max_new_tokens`` (``None``: off); scaled by ``overlong_penalty_factor``.
-        mask_truncated: leave completions that hit ``max_new_tokens`` out of the loss.
-        dynamic_sampling: keep only groups with mixed correctness, refilling from new prompts
-            (DAPO), for up to ``max_gen_batches`` generation rounds per step.
-        rollout_seed: sampling is seeded by (this, step, rank), so a resumed run samples exactly
-            what the uninterrupted one did.
-        **base: see :class:`~lightning_rl.algorithms.common.PolicyModule`.
+        model: hub id, local ``save_pretrained`` folder, or ``builtin:tiny-sort`` / ``builtin:tiny-scratch``.
+        dtype: weights dtype (``float32``, ``bfloat16``, ``float16``, ``auto``); ``None`` keeps the saved one.
+        trust_remote_code: allow model code from the hub (off by default).
+        gradient_checkpointing: trade compute for memory in the policy's forward pass.
+        chat_template: render plain-string prompts with the tokenizer's chat template.
+        max_prompt_length: longest prompt in tokens; longer ones fail before training, naming the row.
+        max_new_tokens: completion budget for generation (validation here; rollouts in RL modules).
+        accuracy_fn: ``module:function`` scoring greedy validation completions; ``val/accuracy`` is its mean.
+        optimizer: optimiser factory (YAML ``class_path`` + ``init_args``); AdamW by default.
+        lr_scheduler: optional LR scheduler factory, stepped once per optimiser step.
     """
 
     def __init__(
         self,
-        *args: Any,
-        num_generations: int = 8,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        reward_fns: list[str] | None = None,
-        reward_weights: list[float] | None = None,
-        correctness_fn: str | None = None,
-        on_reward_error: Literal["raise", "zero"] = "raise",
-        scale_advantages: bool = True,
-        ppo_epochs: int = 1,
-        num_minibatches: int = 1,
-        micro_batch_size: int | None = None,
-        max_grad_norm: float | None = 1.0,
-        ratio_level: Literal["token", "sequence"] = "token",
-        trust_region: Literal["clip", "soft_gate"] = "clip",
-        clip_low: float = 0.2,
-        clip_high: float = 0.2,
-        clip_ratio_c: float | None = None,
-        tau_pos: float = 1.0,
-        tau_neg: float = 1.05,
-        aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "seq-mean-token-mean",
-        kl_coef: float = 0.0,
-        kl_estimator: Literal["k1", "k2", "k3"] = "k3",
-        overlong_buffer: int | None = None,
-        overlong_penalty_factor: float = 1.0,
-        mask_truncated: bool = False,
-        dynamic_sampling: bool = False,
-        max_gen_batches: int = 3,
-        rollout_seed: int = 0,
-        **kwargs: Any,
+        model: str = "builtin:tiny-sort",
+        dtype: str | None = None,
+        trust_remote_code: bool = False,
+        gradient_checkpointing: bool = False,
+        chat_template: bool = False,
+        max_prompt_length: int = 512,
+        max_new_tokens: int = 64,
+        accuracy_fn: str = "lightning_rl.rewards:exact_match",
+        optimizer: OptimizerCallable = torch.optim.AdamW,
+        lr_scheduler: LRSchedulerCallable | None = None,
     ) -> None:
-        super().__init__(*args, **kwargs)
-        self.automatic_optimization = False
-        if num_generations < 2:
-            raise ValueError(f"`model.num_generations` must be >= 2 for group advantages, got {num_generations}")
-        for key, value in {"ppo_epochs": ppo_epochs, "num_minibatches": num_minibatches,
-                           "max_gen_batches": max_gen_batches, "temperature": temperature}.items():
-            if not value > 0:
-                raise ValueError(f"`model.{key}` must be > 0, got {value}")
-        if micro_batch_size is not None and micro_batch_size < 1:
-            raise ValueError(f"`model.micro_batch_size` must be >= 1, got {micro_batch_size}")
-        if overlong_buffer is not None and not 0 < overlong_buffer <= self.max_new_tokens:
-            raise ValueError(f"`model.overlong_buffer` must be in (0, max_new_tokens={self.max_new_tokens}]")
-        self.objective = Objective(ratio_level, trust_region, clip_low, clip_high, clip_ratio_c, tau_pos, tau_neg,
-                                   aggregation, kl_coef, kl_estimator)
-        self.num_generations, self.temperature, self.top_p, self.top_k = num_generations, temperature, top_p, top_k
-        self.rewards = RewardScorer(reward_fns or ["lightning_rl.rewards:exact_match"], reward_weights, on_reward_error)
-        self.correctness_fn = import_reward(correctness_fn) if correctness_fn else self.accuracy_fn
-        self.scale_advantages = scale_advantages
-        self.ppo_epochs, self.num_minibatches, self.micro_batch_size = ppo_epochs, num_minibatches, micro_batch_size
-        self.max_grad_norm = max_grad_norm
-        self.overlong_buffer, self.overlong_penalty_factor = overlong_buffer, overlong_penalty_factor
-        self.mask_truncated = mask_truncated
-        self.dynamic_sampling, self.max_gen_batches = dynamic_sampling, max_gen_batches
-        self.rollout_seed = rollout_seed
-        # The reference is the policy as loaded, before any update (also when resuming, where the
-        # checkpoint's weights arrive before on_fit_start). Kept out of the module tree (plain
-        # __dict__ entry): frozen, never in checkpoints or optimisers; moved to the device in on_fit_start.
-        self.__dict__["_reference"] = self.policy.reference() if self.objective.needs_reference else None
-        self._generation_round = 0
+        super().__init__()
+        if max_prompt_length < 1 or max_new_tokens < 1:
+            raise ValueError("`model.max_prompt_length` and `model.max_new_tokens` must be >= 1")
+        self.policy = load_policy(model, dtype, trust_remote_code)
+        if gradient_checkpointing:
+            self.policy.enable_gradient_checkpointing()
+        self.chat_template = chat_template
+        self.max_prompt_length, self.max_new_tokens = max_prompt_length, max_new_tokens
+        self.accuracy_fn = import_reward(accuracy_fn)
+        self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
 
     @property
-    def updates_per_rollout(self) -> int:
-        return self.ppo_epochs * self.num_minibatches
+    def tokenizer(self) -> Any:
+        return self.policy.tokenizer
 
-    # ---- callbacks and setup ---------------------------------------------------------------------
-    def configure_callbacks(self) -> list:
-        from lightning_rl.callbacks import DAPOGroupFilter, OldPolicySnapshot, PolicyMetrics
-
-        callbacks = super().configure_callbacks()
-        if self.dynamic_sampling and not _has_callback(self.trainer, DAPOGroupFilter):
-            callbacks.append(DAPOGroupFilter(max_gen_batches=self.max_gen_batches))
-        for kind in (OldPolicySnapshot, PolicyMetrics):
-            if not _has_callback(self.trainer, kind):
-                callbacks.append(kind())
-        return callbacks
-
+    # ---- setup -------------------------------------------------------------------------------
     def on_fit_start(self) -> None:
-        super().on_fit_start()
-        self.policy.disable_dropout()  # log-probs must match what sampling saw
-        if self._reference is not None:
-            self._reference.to(self.device)
+        self.policy.train()  # HF models load in eval mode and Lightning keeps it
+        self.check_prompt_lengths()
 
-    def rl_callbacks(self) -> list:
-        from lightning_rl.callbacks.base import RLCallback
+    def check_prompt_lengths(self) -> None:
+        """Fail before the first step if any train / val prompt exceeds ``max_prompt_length``."""
+        dm = getattr(self.trainer, "datamodule", None)
+        for split in ("train_rows", "val_rows"):
+            rows = getattr(dm, split, None) or []
+            for start in range(0, len(rows), 1024):
+                chunk = [r["prompt"] for r in rows[start : start + 1024]]
+                texts = render_prompts(self.tokenizer, chunk, self.chat_template)
+                special = self.add_special_tokens(chunk)  # count exactly what encode_prompts will feed
+                lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=special)["input_ids"]]
+                for i, n in enumerate(lengths):
+                    if n > self.max_prompt_length:
+                        raise ValueError(
+                            f"{split[:-5]} row {start + i}: prompt is {n} tokens, longer than "
+                            f"`model.max_prompt_length`={self.max_prompt_length}"
+                        )
 
-        return [cb for cb in self.trainer.callbacks if isinstance(cb, RLCallback)]
+    # ---- checkpoints: RNG states travel with the weights, optimiser and data position -------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["rng_states"] = _rng_to_safe(_collect_rng_states())
 
-    # ---- rollout --------------------------------------------------------------------------------
-    def generate_and_score(self, batch: dict[str, list]) -> tuple[Rollout, dict[str, float]]:
-        """Sample G completions per prompt of ``batch``, score them and compute group advantages."""
-        G = self.num_generations
-        ids, mask = self.encode_prompts(batch["prompt"])
-        step = self.trainer.fit_loop.total_batch_idx  # restored on resume, so sampling continues exactly
-        seed = hash((self.rollout_seed, step, self._generation_round, self.global_rank)) % 2**31
-        self._generation_round += 1
-        devices = [self.device] if self.device.type == "cuda" else []
-        start = time.perf_counter()
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
-            gen = self.policy.generate(ids, mask, num_samples=G, max_new_tokens=self.max_new_tokens,
-                                       temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                                       synced_gpus=self.sync_generation)
-        gen_time = time.perf_counter() - start
-        texts = self.decode(gen.completion_ids, gen.completion_mask)
-        prompts = [p for p in batch["prompt"] for _ in range(G)]
-        columns = {k: [v for v in vals for _ in range(G)] for k, vals in _columns(batch).items()}
-        lengths = gen.lengths.tolist()
-        scores, errors = self.rewards(prompts, texts, completion_lengths=lengths, **columns)
-        rewards = torch.tensor(scores, dtype=torch.float32, device=self.device)
-        if self.overlong_buffer is not None:
-            penalty = overlong_reward(lengths, self.max_new_tokens, self.overlong_buffer)
-            rewards = rewards + self.overlong_penalty_factor * torch.tensor(penalty, device=self.device)
-        correct = self.correctness_fn(prompts=prompts, completions=texts, **columns)
-        completion_mask = gen.completion_mask
-        if self.mask_truncated:
-            completion_mask = completion_mask * (~gen.truncated).long()[:, None]
-        rollout = Rollout(
-            prompt_ids=gen.prompt_ids, prompt_mask=gen.prompt_mask, completion_ids=gen.completion_ids,
-            completion_mask=completion_mask, truncated=gen.truncated, lengths=gen.lengths,
-            group_ids=torch.arange(len(batch["prompt"]), device=self.device).repeat_interleave(G),
-            rewards=rewards, correct=torch.tensor([bool(c) for c in correct], device=self.device),
-            advantages=group_advantages(rewards, G, scale=self.scale_advantages),
-        )
-        stats = {"perf/generation_time": gen_time, "rollout/reward_errors": float(errors),
-                 "perf/generated_tokens": float(gen.lengths.sum())}
-        return rollout, stats
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._rng_states = checkpoint.get("rng_states")
 
-    def draw_prompts(self) -> dict[str, list]:
-        """A fresh prompt batch for refilling (dynamic sampling), from the DataModule's refill stream."""
-        dm = self.trainer.datamodule
-        if dm is None or not hasattr(dm, "refill_batch"):
-            raise RuntimeError("dynamic sampling needs a DataModule with `refill_batch()` (PromptDataModule)")
-        return dm.refill_batch()
+    def on_train_start(self) -> None:
+        if getattr(self, "_rng_states", None) is not None:  # after sanity validation, so it can't shift them
+            _set_rng_states(_rng_from_safe(self._rng_states))
+            self._rng_states = None
 
-    @torch.no_grad()
-    def logprobs(self, rollout: Rollout, model: Any = None) -> torch.Tensor:
-        """Log-probs of the rollout's completions under ``model`` (default: the policy), micro-batched."""
-        model = model if model is not None else self.policy
-        size = self.micro_batch_size or len(rollout)
-        out = []
-        for part in rollout.minibatches(size):
-            logp, _ = model.token_logprobs(part.prompt_ids, part.prompt_mask, part.completion_ids, part.completion_mask,
-                                           **self.sampling_kwargs)
-            out.append(logp)
-        return torch.cat(out, 0) if out else rollout.completion_mask.new_zeros(rollout.completion_mask.shape).float()
+    def configure_callbacks(self) -> list[L.Callback]:
+        """Export the final policy unless the user configured an ``ExportPolicy`` of their own."""
+        from lightning_rl.callbacks.export import ExportPolicy
 
-    @property
-    def sampling_kwargs(self) -> dict[str, Any]:
-        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+        return [] if has_callback(self.trainer, ExportPolicy) else [ExportPolicy()]
 
-    @property
-    def sync_generation(self) -> bool:
-        """Sharded models must keep generating on every rank until all ranks finish."""
-        return type(self.trainer.strategy).__name__ in ("ModelParallelStrategy", "FSDPStrategy", "DeepSpeedStrategy")
+    def configure_optimizers(self) -> Any:
+        optimizer = self.optimizer_factory(self.policy.parameters())
+        if self.scheduler_factory is None:
+            return optimizer
+        scheduler = self.scheduler_factory(optimizer)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    def collect_rollout(self, batch: dict[str, list]) -> tuple[Rollout, dict[str, float]]:
-        """Generate, score, filter (callbacks), then add reference log-probs when a KL term is on."""
-        self._generation_round = 0
-        rollout, stats = self.generate_and_score(batch)
-        self._stats = stats
-        for cb in self.rl_callbacks():
-            rollout = cb.on_rollout_scored(self.trainer, self, rollout)
-        if self._reference is not None and len(rollout):
-            rollout.ref_logp = self.logprobs(rollout, self._reference)
-        return rollout, self._stats
+    # ---- prompts and validation ----------------------------------------------------------------
+    def add_special_tokens(self, prompts: Sequence[Any]) -> bool:
+        """Chat templates already hold BOS and friends; plain prompts get the tokenizer's specials."""
+        return not self.chat_template and all(isinstance(p, str) for p in prompts)
 
-    def add_stats(self, stats: dict[str, float]) -> None:
-        """Add generation statistics from extra rounds (dynamic sampling) to this step's totals."""
-        for k, v in stats.items():
-            self._stats[k] = self._stats.get(k, 0.0) + v
+    def encode_prompts(self, prompts: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        texts = render_prompts(self.tokenizer, prompts, self.chat_template)
+        return self.policy.encode_prompts(texts, self.max_prompt_length,
+                                          add_special_tokens=self.add_special_tokens(prompts))
 
-    # ---- update ---------------------------------------------------------------------------------
-    def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
-        start = time.perf_counter()
-        rollout, stats = self.collect_rollout(batch)
-        for cb in self.rl_callbacks():
-            cb.on_rollout_end(self.trainer, self, rollout, stats)
-        if self.updates_per_rollout > 1 and rollout.old_logp is None and len(rollout):
-            raise RuntimeError("ppo_epochs * num_minibatches > 1 needs behaviour log-probs: keep the OldPolicySnapshot callback")
-        generator = torch.Generator().manual_seed(self.rollout_seed * 1_000_003 + self.trainer.fit_loop.total_batch_idx)
-        for _ in range(self.ppo_epochs):
-            for minibatch in self.split_minibatches(rollout, generator):
-                self.update(minibatch)
-        stats["perf/step_time"] = time.perf_counter() - start
-        stats["perf/tokens_per_sec"] = stats["perf/generated_tokens"] / stats["perf/step_time"]
+    def decode(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[str]:
+        ids = completion_ids.masked_fill(completion_mask == 0, self.policy.pad_token_id)
+        return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
-    def split_minibatches(self, rollout: Rollout, generator: torch.Generator) -> list[Rollout]:
-        """``num_minibatches`` shuffled minibatches (some may be empty when the rollout is small)."""
-        order = torch.randperm(len(rollout), generator=generator).to(rollout.completion_ids.device)
-        return [rollout.select(part) for part in torch.tensor_split(order, self.num_minibatches)]
+    def greedy(self, prompts: Sequence[Any]) -> tuple[list[str], list[int]]:
+        """Greedy completions of ``prompts`` and their lengths in tokens (EOS included)."""
+        ids, mask = self.encode_prompts(prompts)
+        gen = self.policy.generate(ids, mask, max_new_tokens=self.max_new_tokens, do_sample=False)
+        return self.decode(gen.completion_ids, gen.completion_mask), gen.lengths.tolist()
 
-    def update(self, minibatch: Rollout) -> None:
-        """One optimiser step on ``minibatch``, accumulated over micro-batches."""
-        opt = self.optimizers()
-        num_tokens, num_seqs = self.global_counts(minibatch)
-        world = self.trainer.world_size
-        size = self.micro_batch_size or max(len(minibatch), 1)
-        micros = list(minibatch.minibatches(size)) or [minibatch]
-        opt.zero_grad()
-        for i, micro in enumerate(micros):
-            sync = contextlib.nullcontext() if i == len(micros) - 1 else self.no_sync()
-            with sync:
-                if len(micro) == 0:  # this rank has nothing, but must join the gradient all-reduce
-                    self.manual_backward(sum(p.sum() * 0.0 for p in self.policy.parameters() if p.requires_grad))
-                    continue
-                loss, metrics = self.micro_loss(micro, num_tokens, num_seqs)
-                # data-parallel strategies average gradients over ranks; the normalisers are already global
-                self.manual_backward(loss * world)
-            # the minibatch loss is the sum of micro losses: report loss/share with weight share
-            share = len(micro) / len(minibatch)
-            metrics["policy/loss"] = loss.detach() * world / share
-            for cb in self.rl_callbacks():
-                cb.on_update_end(self.trainer, self, metrics, share)
-        if self.max_grad_norm is not None:
-            norm = self.clip_gradients_()
-            for cb in self.rl_callbacks():
-                cb.on_update_end(self.trainer, self, {"policy/grad_norm": norm}, 1.0)
-        opt.step()
-        scheduler = self.lr_schedulers()
-        if scheduler is not None:
-            scheduler.step()
+    def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
+        completions, lengths = self.greedy(batch["prompt"])
+        scores = self.accuracy_fn(prompts=batch["prompt"], completions=completions, **batch_columns(batch))
+        acc = torch.tensor([float(s) for s in scores], device=self.device)
+        self.log("val/accuracy", acc.mean(), batch_size=len(completions), sync_dist=True, prog_bar=True)
+        self.validation_extra(batch, completions, lengths)
 
-    def clip_gradients_(self) -> torch.Tensor:
-        params = [p for p in self.policy.parameters() if p.grad is not None]
-        if not params:
-            return torch.zeros((), device=self.device)
-        return torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
-
-    def global_counts(self, minibatch: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Valid tokens and non-empty rows of the minibatch summed over all ranks."""
-        counts = torch.stack(normalizer_counts(minibatch.completion_mask)).float()
-        counts = self.trainer.strategy.reduce(counts, reduce_op="sum")
-        return counts[0], counts[1]
-
-    def no_sync(self) -> Any:
-        """Skip the gradient all-reduce of a data-parallel wrapper (all but the last micro-batch)."""
-        wrapped = getattr(self.trainer.strategy, "model", None)
-        if wrapped is self or not hasattr(wrapped, "no_sync"):  # single device: strategy.model is this module
-            return contextlib.nullcontext()
-        return wrapped.no_sync()
-
-    def micro_loss(self, micro: Rollout, num_tokens: torch.Tensor, num_seqs: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        logp, entropy = self.policy.token_logprobs(micro.prompt_ids, micro.prompt_mask, micro.completion_ids,
-                                                   micro.completion_mask, with_entropy=True, **self.sampling_kwargs)
-        old_logp = micro.old_logp if micro.old_logp is not None else logp.detach()
-        loss, metrics = self.objective(logp, old_logp, micro.ref_logp, micro.advantages, micro.completion_mask,
-                                       num_tokens=num_tokens, num_seqs=num_seqs)
-        metrics["policy/entropy"] = masked_mean(entropy.detach(), micro.completion_mask.bool())
-        return loss, metrics
-
-    # ---- validation -----------------------------------------------------------------------------
     def validation_extra(self, batch: dict[str, list], completions: list[str], lengths: list[int]) -> None:
-        scores, _ = self.rewards(batch["prompt"], completions, completion_lengths=lengths, **_columns(batch))
-        value = torch.tensor(scores, dtype=torch.float32, device=self.device).mean()
-        self.log("val/reward_mean", value, batch_size=len(completions), sync_dist=True)
+        """Hook for subclasses to log more validation metrics from the same greedy completions."""
 
+    def on_validation_epoch_end(self) -> None:
+        value = self.trainer.callback_metrics.get("val/accuracy")
+        if value is not None:
+            rank_zero_info(f"step {self.global_step}: val/accuracy = {float(value):.3f}")
+
+    def save_pretrained(self, path: str) -> None:
+        """Write the policy and tokenizer as a folder that ``transformers`` loads directly."""
+        self.policy.save_pretrained(path)
+
+
+def _rng_to_safe(states: dict[str, Any]) -> dict[str, Any]:
+    """RNG states in types that ``torch.load(weights_only=True)`` accepts (no numpy arrays)."""
+    out = dict(states)
+    if "numpy" in out:
+        kind, keys, pos, has_gauss, gauss = out["numpy"]
+        out["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss)]
+    out["python"] = [states["python"][0], list(states["python"][1]), states["python"][2]]
+    return out
+
+
+def _rng_from_safe(states: dict[str, Any]) -> dict[str, Any]:
+    out = dict(states)
+    if "numpy" in out:
+        kind, keys, pos, has_gauss, gauss = out["numpy"]
+        out["numpy"] = (kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss)
+    version, internal, gauss = out["python"]
+    out["python"] = (version, tuple(internal), gauss)
+    return out
+
+
+def has_callback(trainer: L.Trainer, kind: type) -> bool:
+    return any(isinstance(cb, kind) for cb in trainer.callbacks)
+
+
+def batch_columns(batch: dict[str, list]) -> dict[str, list]:
+    """Every batch column except the prompt, passed to reward functions as keyword arguments."""
+    return {k: v for k, v in batch.items() if k != "prompt"}

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from lightning_rl.algorithms.base import OnlineRL
+from lightning_rl.algorithms.online import OnlineRL
+from lightning_rl.losses import Aggregation
 
 
 class DAPO(OnlineRL):
@@ -15,7 +16,7 @@ class DAPO(OnlineRL):
       (``DAPOGroupFilter``, up to ``max_gen_batches`` rounds);
     * ``token-mean`` aggregation over the whole minibatch;
     * soft overlong punishment over the last ``overlong_buffer`` tokens of ``max_new_tokens``
-      (``None``: a fifth of ``max_new_tokens``, like the paper's 4096 of 20480; 0: off). Truncated
+      (``auto``: a fifth of the real ``max_new_tokens``, like the paper's 4096 of 20480; ``None`` or 0: off). Truncated
       completions can also be left out of the loss with ``mask_truncated``.
     """
 
@@ -24,14 +25,11 @@ class DAPO(OnlineRL):
         *args: Any,
         clip_low: float = 0.2,
         clip_high: float = 0.28,
-        aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean",
+        aggregation: Aggregation = "token-mean",
         kl_coef: float = 0.0,
         dynamic_sampling: bool = True,
-        overlong_buffer: int | None = None,
+        overlong_buffer: int | Literal["auto"] | None = "auto",
         **kwargs: Any,
     ) -> None:
-        max_new_tokens = kwargs.get("max_new_tokens", 64)
-        if overlong_buffer is None:
-            overlong_buffer = max(1, max_new_tokens // 5)
         super().__init__(*args, clip_low=clip_low, clip_high=clip_high, aggregation=aggregation, kl_coef=kl_coef,
-                         dynamic_sampling=dynamic_sampling, overlong_buffer=overlong_buffer or None, **kwargs)
+                         dynamic_sampling=dynamic_sampling, overlong_buffer=overlong_buffer, **kwargs)

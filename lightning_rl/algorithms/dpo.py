@@ -22,11 +22,10 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_rl.algorithms.common import PolicyModule
+from lightning_rl.algorithms.base import PolicyModule
 from lightning_rl.data.preference import EncodedPairs, encode_pairs
-from lightning_rl.losses import DPO_LOSS_TYPES, aggregate, dpo_loss
+from lightning_rl.losses import DPO_LOSS_TYPES, DPOLossType, aggregate, dpo_loss
 
-LossType = Literal["sigmoid", "ipo", "hinge", "robust"]
 REFERENCE = "reference"
 
 
@@ -72,7 +71,7 @@ class DPO(PolicyModule):
         self,
         *args: Any,
         beta: float = 0.1,
-        loss_type: LossType = "sigmoid",
+        loss_type: DPOLossType = "sigmoid",
         label_smoothing: float = 0.0,
         rpo_alpha: float | None = None,
         max_completion_length: int = 64,

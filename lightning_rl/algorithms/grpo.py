@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-from lightning_rl.algorithms.base import OnlineRL
+from lightning_rl.algorithms.online import OnlineRL
+from lightning_rl.losses import Aggregation, KLEstimator
 
 
 class GRPO(OnlineRL):
     """GRPO preset: clip 0.2, ``seq-mean-token-mean``, KL to the reference (k3, coefficient 0.04).
 
-    Every other axis is open: see :class:`~lightning_rl.algorithms.base.OnlineRL`.
+    Every other axis is open: see :class:`~lightning_rl.algorithms.online.OnlineRL`.
     """
 
     def __init__(
@@ -18,9 +19,9 @@ class GRPO(OnlineRL):
         *args: Any,
         clip_low: float = 0.2,
         clip_high: float = 0.2,
-        aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "seq-mean-token-mean",
+        aggregation: Aggregation = "seq-mean-token-mean",
         kl_coef: float = 0.04,
-        kl_estimator: Literal["k1", "k2", "k3"] = "k3",
+        kl_estimator: KLEstimator = "k3",
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, clip_low=clip_low, clip_high=clip_high, aggregation=aggregation, kl_coef=kl_coef,

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-from lightning_rl.algorithms.base import OnlineRL
+from lightning_rl.algorithms.online import OnlineRL
+from lightning_rl.losses import Aggregation, RatioLevel
 
 
 class GSPO(OnlineRL):
@@ -16,10 +17,10 @@ class GSPO(OnlineRL):
     def __init__(
         self,
         *args: Any,
-        ratio_level: Literal["token", "sequence"] = "sequence",
+        ratio_level: RatioLevel = "sequence",
         clip_low: float = 3e-4,
         clip_high: float = 4e-4,
-        aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "seq-mean-token-mean",
+        aggregation: Aggregation = "seq-mean-token-mean",
         kl_coef: float = 0.0,
         **kwargs: Any,
     ) -> None:

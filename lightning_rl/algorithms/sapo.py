@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-from lightning_rl.algorithms.base import OnlineRL
+from lightning_rl.algorithms.online import OnlineRL
+from lightning_rl.losses import Aggregation, TrustRegion
 
 
 class SAPO(OnlineRL):
@@ -17,10 +18,10 @@ class SAPO(OnlineRL):
     def __init__(
         self,
         *args: Any,
-        trust_region: Literal["clip", "soft_gate"] = "soft_gate",
+        trust_region: TrustRegion = "soft_gate",
         tau_pos: float = 1.0,
         tau_neg: float = 1.05,
-        aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "seq-mean-token-mean",
+        aggregation: Aggregation = "seq-mean-token-mean",
         kl_coef: float = 0.0,
         **kwargs: Any,
     ) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from lightning_rl.algorithms.common import PolicyModule
+from lightning_rl.algorithms.base import PolicyModule
 from lightning_rl.losses import aggregate
 
 

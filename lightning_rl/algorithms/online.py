@@ -1,0 +1,369 @@
+"""The shared online RL step: one ``training_step`` = one RL iteration (manual optimisation).
+
+prompt batch -> G completions per prompt -> rewards -> group advantages -> (callbacks: dynamic
+sampling) -> reference log-probs if a KL term is on -> (callbacks: old-policy log-probs, metrics)
+-> ``ppo_epochs`` passes over ``num_minibatches`` minibatches, each split into micro-batches whose
+losses are normalised by the counts of the whole minibatch (all ranks), so the gradient does not
+depend on micro-batch size, accumulation or world size.
+
+Scoring: top-k / top-p filtering belongs to sampling only. Every log-prob of a sampled token, under
+the current, behaviour and reference policies, is scored on the *tempered, unfiltered* distribution
+(as verl does): the three share one support, so ratios and KL stay finite even when a moved policy
+(or the reference) would have filtered out a token that was sampled. A token whose behaviour or
+reference log-prob is still not finite (overflow in low precision) is left out of the loss and counted
+in ``rollout/excluded_tokens``.
+
+Statistics flow one way: each stage returns its numbers, the module merges them, and callbacks get the
+step's final, read-only statistics once in ``on_step_end``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from types import MappingProxyType
+from typing import Any, Literal
+
+import torch
+
+from lightning_rl.algorithms.base import PolicyModule, batch_columns, has_callback
+from lightning_rl.losses import (
+    Aggregation,
+    KLEstimator,
+    RatioLevel,
+    TrustRegion,
+    group_advantages,
+    masked_mean,
+    normalizer_counts,
+)
+from lightning_rl.objective import Objective
+from lightning_rl.rewards import RewardScorer, import_reward, overlong_reward
+from lightning_rl.rollout import Rollout
+
+
+class OnlineRL(PolicyModule):
+    """Online RL on prompts with verifiable or model-scored rewards (GRPO family; PPO extends it).
+
+    Args:
+        num_generations: completions sampled per prompt (G >= 2); the group of a group-relative baseline.
+        temperature, top_p, top_k: sampling settings. Log-probs are scored at the same temperature,
+            without the top-k / top-p filter (see the module docstring).
+        reward_fns: reward functions by import path, ``package.module:function``.
+        reward_weights: one weight per reward function (default 1 each).
+        correctness_fn: ``module:function`` deciding correctness (dynamic sampling, ``val/accuracy``);
+            ``None`` uses ``accuracy_fn``.
+        on_reward_error: ``raise`` stops on a reward function error or NaN; ``zero`` scores it 0 and
+            counts it in ``rollout/reward_errors``.
+        scale_advantages: divide group-centred rewards by the group std (``False``: Dr. GRPO).
+        ppo_epochs: passes over each rollout.
+        num_minibatches: optimiser steps per pass (each rank splits its rollout into this many).
+        micro_batch_size: rows per forward/backward (``None``: a whole minibatch at once).
+        max_grad_norm: gradient clipping by global norm (``None``: off).
+        ratio_level, trust_region, clip_low, clip_high, clip_ratio_c, tau_pos, tau_neg, aggregation,
+            kl_coef, kl_estimator: the objective axes, see :class:`lightning_rl.objective.Objective`.
+        overlong_buffer: DAPO soft overlong punishment over the last this-many tokens of
+            ``max_new_tokens`` (``None`` or 0: off; ``auto``: a fifth of ``max_new_tokens``, like the
+            paper's 4096 of 20480); scaled by ``overlong_penalty_factor``.
+        mask_truncated: leave completions that hit ``max_new_tokens`` out of the loss.
+        dynamic_sampling: keep only groups with mixed correctness, refilling from new prompts
+            (DAPO), for up to ``max_gen_batches`` generation rounds per step.
+        rollout_seed: sampling is seeded by (this, step, rank), so a resumed run samples exactly
+            what the uninterrupted one did.
+        **base: see :class:`~lightning_rl.algorithms.base.PolicyModule`.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        num_generations: int = 8,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        reward_fns: list[str] | None = None,
+        reward_weights: list[float] | None = None,
+        correctness_fn: str | None = None,
+        on_reward_error: Literal["raise", "zero"] = "raise",
+        scale_advantages: bool = True,
+        ppo_epochs: int = 1,
+        num_minibatches: int = 1,
+        micro_batch_size: int | None = None,
+        max_grad_norm: float | None = 1.0,
+        ratio_level: RatioLevel = "token",
+        trust_region: TrustRegion = "clip",
+        clip_low: float = 0.2,
+        clip_high: float = 0.2,
+        clip_ratio_c: float | None = None,
+        tau_pos: float = 1.0,
+        tau_neg: float = 1.05,
+        aggregation: Aggregation = "seq-mean-token-mean",
+        kl_coef: float = 0.0,
+        kl_estimator: KLEstimator = "k3",
+        overlong_buffer: int | Literal["auto"] | None = None,
+        overlong_penalty_factor: float = 1.0,
+        mask_truncated: bool = False,
+        dynamic_sampling: bool = False,
+        max_gen_batches: int = 3,
+        rollout_seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+        if num_generations < 2:
+            raise ValueError(f"`model.num_generations` must be >= 2 for group advantages, got {num_generations}")
+        for key, value in {"ppo_epochs": ppo_epochs, "num_minibatches": num_minibatches,
+                           "max_gen_batches": max_gen_batches, "temperature": temperature}.items():
+            if not value > 0:
+                raise ValueError(f"`model.{key}` must be > 0, got {value}")
+        if micro_batch_size is not None and micro_batch_size < 1:
+            raise ValueError(f"`model.micro_batch_size` must be >= 1, got {micro_batch_size}")
+        if overlong_buffer == "auto":
+            overlong_buffer = max(1, self.max_new_tokens // 5)
+        if overlong_buffer is not None and not 0 <= overlong_buffer <= self.max_new_tokens:
+            raise ValueError(f"`model.overlong_buffer` must be 'auto' or in [0, max_new_tokens={self.max_new_tokens}],"
+                             f" got {overlong_buffer}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"`model.max_grad_norm` must be > 0 or null, got {max_grad_norm}")
+        self.objective = Objective(ratio_level=ratio_level, trust_region=trust_region, clip_low=clip_low,
+                                   clip_high=clip_high, clip_ratio_c=clip_ratio_c, tau_pos=tau_pos, tau_neg=tau_neg,
+                                   aggregation=aggregation, kl_coef=kl_coef, kl_estimator=kl_estimator)
+        self.num_generations, self.temperature, self.top_p, self.top_k = num_generations, temperature, top_p, top_k
+        self.rewards = RewardScorer(reward_fns or ["lightning_rl.rewards:exact_match"], reward_weights, on_reward_error)
+        self.correctness_fn = import_reward(correctness_fn) if correctness_fn else self.accuracy_fn
+        self.scale_advantages = scale_advantages
+        self.ppo_epochs, self.num_minibatches, self.micro_batch_size = ppo_epochs, num_minibatches, micro_batch_size
+        self.max_grad_norm = max_grad_norm
+        self.overlong_buffer, self.overlong_penalty_factor = overlong_buffer or None, overlong_penalty_factor
+        self.mask_truncated = mask_truncated
+        self.dynamic_sampling, self.max_gen_batches = dynamic_sampling, max_gen_batches
+        self.rollout_seed = rollout_seed
+        # The reference is the policy as loaded, before any update (also when resuming, where the
+        # checkpoint's weights arrive before on_fit_start). Kept out of the module tree (plain
+        # __dict__ entry): frozen, never in checkpoints or optimisers; moved to the device in on_fit_start.
+        self.__dict__["_reference"] = self.policy.reference() if self.objective.needs_reference else None
+        self._generation_round = 0
+
+    @property
+    def updates_per_rollout(self) -> int:
+        return self.ppo_epochs * self.num_minibatches
+
+    # ---- callbacks and setup ---------------------------------------------------------------------
+    def configure_callbacks(self) -> list:
+        from lightning_rl.callbacks import DAPOGroupFilter, OldPolicySnapshot, PolicyMetrics
+
+        callbacks = super().configure_callbacks()
+        if self.dynamic_sampling and not has_callback(self.trainer, DAPOGroupFilter):
+            callbacks.append(DAPOGroupFilter(max_gen_batches=self.max_gen_batches))
+        for kind in (OldPolicySnapshot, PolicyMetrics):
+            if not has_callback(self.trainer, kind):
+                callbacks.append(kind())
+        return callbacks
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        self.policy.disable_dropout()  # log-probs must match what sampling saw
+        if self._reference is not None:
+            self._reference.to(self.device)
+
+    def rl_callbacks(self) -> list:
+        from lightning_rl.callbacks.base import RLCallback
+
+        return [cb for cb in self.trainer.callbacks if isinstance(cb, RLCallback)]
+
+    # ---- rollout --------------------------------------------------------------------------------
+    def generate_and_score(self, batch: dict[str, list]) -> tuple[Rollout, dict[str, float]]:
+        """Sample G completions per prompt of ``batch``, score them and compute group advantages."""
+        G = self.num_generations
+        ids, mask = self.encode_prompts(batch["prompt"])
+        step = self.trainer.fit_loop.total_batch_idx  # restored on resume, so sampling continues exactly
+        seed = hash((self.rollout_seed, step, self._generation_round, self.global_rank)) % 2**31
+        self._generation_round += 1
+        devices = [self.device] if self.device.type == "cuda" else []
+        start = time.perf_counter()
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            gen = self.policy.generate(ids, mask, num_samples=G, max_new_tokens=self.max_new_tokens,
+                                       temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                       synced_gpus=self.sync_generation)
+        gen_time = time.perf_counter() - start
+        texts = self.decode(gen.completion_ids, gen.completion_mask)
+        prompts = [p for p in batch["prompt"] for _ in range(G)]
+        columns = {k: [v for v in vals for _ in range(G)] for k, vals in batch_columns(batch).items()}
+        lengths = gen.lengths.tolist()
+        scores, errors = self.rewards(prompts, texts, completion_lengths=lengths, **columns)
+        rewards = torch.tensor(scores, dtype=torch.float32, device=self.device)
+        if self.overlong_buffer is not None:
+            penalty = overlong_reward(lengths, self.max_new_tokens, self.overlong_buffer)
+            rewards = rewards + self.overlong_penalty_factor * torch.tensor(penalty, device=self.device)
+        correct = self.correctness_fn(prompts=prompts, completions=texts, **columns)
+        completion_mask = gen.completion_mask
+        if self.mask_truncated:
+            completion_mask = completion_mask * (~gen.truncated).long()[:, None]
+        rollout = Rollout(
+            prompt_ids=gen.prompt_ids, prompt_mask=gen.prompt_mask, completion_ids=gen.completion_ids,
+            completion_mask=completion_mask, truncated=gen.truncated, lengths=gen.lengths,
+            group_ids=torch.arange(len(batch["prompt"]), device=self.device).repeat_interleave(G),
+            rewards=rewards, correct=torch.tensor([bool(c) for c in correct], device=self.device),
+            advantages=group_advantages(rewards, G, scale=self.scale_advantages),
+        )
+        stats = {"perf/generation_time": gen_time, "rollout/reward_errors": float(errors),
+                 "perf/generated_tokens": float(gen.lengths.sum())}
+        return rollout, stats
+
+    def draw_prompts(self) -> dict[str, list]:
+        """A fresh prompt batch for refilling (dynamic sampling), from the DataModule's refill stream."""
+        dm = self.trainer.datamodule
+        if dm is None or not hasattr(dm, "refill_batch"):
+            raise RuntimeError("dynamic sampling needs a DataModule with `refill_batch()` (PromptDataModule)")
+        return dm.refill_batch()
+
+    @torch.no_grad()
+    def logprobs(self, rollout: Rollout, model: Any = None) -> torch.Tensor:
+        """Log-probs of the rollout's completions under ``model`` (default: the policy), micro-batched."""
+        model = model if model is not None else self.policy
+        size = self.micro_batch_size or len(rollout)
+        out = []
+        for part in rollout.minibatches(size):
+            logp, _ = model.token_logprobs(part.prompt_ids, part.prompt_mask, part.completion_ids,
+                                           part.completion_mask, **self.scoring_kwargs)
+            out.append(logp)
+        return torch.cat(out, 0) if out else rollout.completion_mask.new_zeros(rollout.completion_mask.shape).float()
+
+    @property
+    def scoring_kwargs(self) -> dict[str, Any]:
+        """How sampled tokens are scored: the sampling temperature, no top-k / top-p filter (module docstring)."""
+        return {"temperature": self.temperature}
+
+    @property
+    def sync_generation(self) -> bool:
+        """Sharded models must keep generating on every rank until all ranks finish."""
+        return type(self.trainer.strategy).__name__ in ("ModelParallelStrategy", "FSDPStrategy", "DeepSpeedStrategy")
+
+    def collect_rollout(self, batch: dict[str, list]) -> tuple[Rollout, dict[str, float]]:
+        """Generate, score, filter (callbacks), then add reference log-probs when a KL term is on."""
+        self._generation_round = 0
+        rollout, stats = self.generate_and_score(batch)
+        for cb in self.rl_callbacks():
+            rollout, extra = cb.on_rollout_scored(self.trainer, self, rollout)
+            stats = merge_stats(stats, extra)
+        if self._reference is not None and len(rollout):
+            rollout.ref_logp = self.logprobs(rollout, self._reference)
+        return rollout, stats
+
+    # ---- update ---------------------------------------------------------------------------------
+    def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
+        start = time.perf_counter()
+        rollout, stats = self.collect_rollout(batch)
+        for cb in self.rl_callbacks():
+            cb.on_rollout_end(self.trainer, self, rollout)
+        if self.updates_per_rollout > 1 and rollout.old_logp is None and len(rollout):
+            raise RuntimeError("ppo_epochs * num_minibatches > 1 needs behaviour log-probs: keep the OldPolicySnapshot callback")
+        rollout, excluded = exclude_nonfinite(rollout)
+        generator = torch.Generator().manual_seed(self.rollout_seed * 1_000_003 + self.trainer.fit_loop.total_batch_idx)
+        for _ in range(self.ppo_epochs):
+            for minibatch in self.split_minibatches(rollout, generator):
+                self.update(minibatch)
+        step_time = time.perf_counter() - start
+        stats = merge_stats(stats, {"rollout/excluded_tokens": excluded, "perf/step_time": step_time,
+                                    "perf/tokens_per_sec": stats["perf/generated_tokens"] / step_time})
+        for cb in self.rl_callbacks():
+            cb.on_step_end(self.trainer, self, MappingProxyType(stats))
+
+    def split_minibatches(self, rollout: Rollout, generator: torch.Generator) -> list[Rollout]:
+        """``num_minibatches`` shuffled minibatches (some may be empty when the rollout is small)."""
+        order = torch.randperm(len(rollout), generator=generator).to(rollout.completion_ids.device)
+        return [rollout.select(part) for part in torch.tensor_split(order, self.num_minibatches)]
+
+    def update(self, minibatch: Rollout) -> None:
+        """One optimiser step on ``minibatch``, accumulated over micro-batches."""
+        opt = self.optimizers()
+        num_tokens, num_seqs = self.global_counts(minibatch)
+        world = self.trainer.world_size
+        size = self.micro_batch_size or max(len(minibatch), 1)
+        micros = list(minibatch.minibatches(size)) or [minibatch]
+        opt.zero_grad()
+        for i, micro in enumerate(micros):
+            sync = contextlib.nullcontext() if i == len(micros) - 1 else self.no_sync()
+            with sync:
+                if len(micro) == 0:  # this rank has nothing, but must join the gradient all-reduce
+                    self.manual_backward(sum(p.sum() * 0.0 for p in self.policy.parameters() if p.requires_grad))
+                    continue
+                loss, metrics = self.micro_loss(micro, num_tokens, num_seqs)
+                # data-parallel strategies average gradients over ranks; the normalisers are already global
+                self.manual_backward(loss * world)
+            # the minibatch loss is the sum of micro losses: report loss/share with weight share
+            share = len(micro) / len(minibatch)
+            metrics["policy/loss"] = loss.detach() * world / share
+            for cb in self.rl_callbacks():
+                cb.on_update_end(self.trainer, self, metrics, share)
+        opt.step()  # gradients are clipped in on_before_optimizer_step, after the precision plugin unscaled them
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """Clip by global norm through Lightning (correct under AMP, FSDP2 and DeepSpeed); log the norm before."""
+        if self.max_grad_norm is None:
+            return
+        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
+        self.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm, gradient_clip_algorithm="norm")
+        for cb in self.rl_callbacks():
+            cb.on_update_end(self.trainer, self, {"policy/grad_norm": norm.detach()}, 1.0)
+
+    def global_counts(self, minibatch: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Valid tokens and non-empty rows of the minibatch summed over all ranks."""
+        counts = torch.stack(normalizer_counts(minibatch.completion_mask)).float()
+        counts = self.trainer.strategy.reduce(counts, reduce_op="sum")
+        return counts[0], counts[1]
+
+    def no_sync(self) -> Any:
+        """Skip the gradient all-reduce of a data-parallel wrapper (all but the last micro-batch)."""
+        wrapped = getattr(self.trainer.strategy, "model", None)
+        if wrapped is self or not hasattr(wrapped, "no_sync"):  # single device: strategy.model is this module
+            return contextlib.nullcontext()
+        return wrapped.no_sync()
+
+    def micro_loss(self, micro: Rollout, num_tokens: torch.Tensor, num_seqs: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        logp, entropy = self.policy.token_logprobs(micro.prompt_ids, micro.prompt_mask, micro.completion_ids,
+                                                   micro.completion_mask, with_entropy=True, **self.scoring_kwargs)
+        old_logp = micro.old_logp if micro.old_logp is not None else logp.detach()
+        loss, metrics = self.objective(logp, old_logp, micro.ref_logp, micro.advantages, micro.completion_mask,
+                                       num_tokens=num_tokens, num_seqs=num_seqs)
+        metrics["policy/entropy"] = masked_mean(entropy.detach(), micro.completion_mask.bool())
+        return loss, metrics
+
+    # ---- validation -----------------------------------------------------------------------------
+    def validation_extra(self, batch: dict[str, list], completions: list[str], lengths: list[int]) -> None:
+        scores, _ = self.rewards(batch["prompt"], completions, completion_lengths=lengths, **batch_columns(batch))
+        value = torch.tensor(scores, dtype=torch.float32, device=self.device).mean()
+        self.log("val/reward_mean", value, batch_size=len(completions), sync_dist=True)
+
+
+
+def merge_stats(stats: Mapping[str, float], extra: Mapping[str, float]) -> dict[str, float]:
+    """A new dict: ``stats`` plus ``extra``, summing the values of names in both (e.g. generation time)."""
+    out = dict(stats)
+    for name, value in extra.items():
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def exclude_nonfinite(rollout: Rollout) -> tuple[Rollout, float]:
+    """Leave out of the loss any token whose behaviour or reference log-prob is not finite.
+
+    Returns the rollout (a new record when anything was excluded) and the number of excluded tokens.
+    """
+    valid = rollout.completion_mask.bool()
+    keep = valid
+    for logp in (rollout.old_logp, rollout.ref_logp):
+        if logp is not None:
+            keep = keep & torch.isfinite(logp)
+    excluded = float((valid & ~keep).sum())
+    if not excluded:
+        return rollout, 0.0
+    clean = {name: None if t is None else torch.where(keep, t, 0.0)
+             for name, t in (("old_logp", rollout.old_logp), ("ref_logp", rollout.ref_logp))}
+    return replace(rollout, completion_mask=keep.to(rollout.completion_mask.dtype), **clean), excluded
