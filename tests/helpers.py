@@ -1,13 +1,19 @@
-"""Shared test helpers: run the real CLI in-process and read TensorBoard scalars."""
+"""Shared test helpers: build tiny modules and trainers, run the real CLI in-process, read logged scalars."""
 
 from __future__ import annotations
 
+import csv
 import glob
+from functools import partial
 from pathlib import Path
 
+import lightning as L
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from lightning_rl.algorithms import GRPO
 from lightning_rl.cli import LightningRLCLI
+from lightning_rl.data import PromptDataModule
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -26,4 +32,35 @@ def scalars(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
         acc.Reload()
         for tag in acc.Tags()["scalars"]:
             out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    return out
+
+
+def make(cls=GRPO, **kw):
+    """A tiny online RL module on the embedded model (8 new tokens, G = 4, AdamW lr 1e-3)."""
+    args = dict(model="builtin:tiny-sort", max_new_tokens=8, max_prompt_length=16, num_generations=4,
+                optimizer=partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.0)) | kw
+    return cls(**args)
+
+
+def make_trainer(tmp_path, max_steps=1, callbacks=(), logger=False, limit_val_batches=0, **kw):
+    """A quiet single-process CPU trainer (no checkpoints, no validation unless asked)."""
+    return L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=logger, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                     limit_val_batches=limit_val_batches, callbacks=list(callbacks),
+                     default_root_dir=str(tmp_path), **kw)
+
+
+def datamodule(**kw):
+    return PromptDataModule(**(dict(batch_size=4, max_val_rows=16) | kw))
+
+
+def read_csv_metrics(log_dir) -> dict[str, list[float]]:
+    """Every logged value of a CSVLogger run: ``{name: [values in step order]}``."""
+    (path,) = glob.glob(f"{log_dir}/**/metrics.csv", recursive=True)
+    out: dict[str, list[float]] = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            for k, v in row.items():
+                if v not in ("", None) and k not in ("epoch", "step"):
+                    out.setdefault(k, []).append(float(v))
     return out

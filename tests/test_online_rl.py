@@ -4,9 +4,7 @@ algorithm with their metrics, DAPO's group filter, bad input caught before any s
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import glob
 import json
 import math
 import shutil
@@ -16,6 +14,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from helpers import datamodule, make, make_trainer, read_csv_metrics
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_rl.algorithms import DAPO, GRPO, GSPO, SAPO, OnlineRL
@@ -32,23 +31,6 @@ AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def make(cls=GRPO, **kw):
-    args = dict(model="builtin:tiny-sort", max_new_tokens=8, max_prompt_length=16, num_generations=4,
-                optimizer=partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.0)) | kw
-    return cls(**args)
-
-
-def make_trainer(tmp_path, max_steps=1, callbacks=(), logger=False, limit_val_batches=0, **kw):
-    return L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=logger, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                     limit_val_batches=limit_val_batches, callbacks=list(callbacks),
-                     default_root_dir=str(tmp_path), **kw)
-
-
-def datamodule(**kw):
-    return PromptDataModule(**(dict(batch_size=4, max_val_rows=16) | kw))
-
-
 class Probe(L.Callback):
     """Run ``fn(trainer, module)`` inside a started fit (optimisers, callbacks and data attached), then stop
     before the first training step."""
@@ -86,17 +68,6 @@ def norm(g) -> float:
 
 def params(module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in module.policy.named_parameters()}
-
-
-def read_csv_metrics(log_dir) -> dict[str, list[float]]:
-    (path,) = glob.glob(f"{log_dir}/**/metrics.csv", recursive=True)
-    out: dict[str, list[float]] = {}
-    with open(path) as f:
-        for row in csv.DictReader(f):
-            for k, v in row.items():
-                if v not in ("", None) and k not in ("epoch", "step"):
-                    out.setdefault(k, []).append(float(v))
-    return out
 
 
 class Capture(RLCallback):
