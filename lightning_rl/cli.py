@@ -1,7 +1,7 @@
 """The ``lightning-rl`` command: LightningCLI over every algorithm and DataModule.
 
     lightning-rl fit --config configs/grpo.yaml
-    lightning-rl fit --config configs/grpo.yaml --config configs/strategy/ddp.yaml --trainer.max_steps 50
+    lightning-rl fit --config configs/grpo.yaml --trainer.strategy ddp --trainer.devices 2
     lightning-rl fit --config configs/sft.yaml --print_config
 
 Models and DataModules are chosen by ``class_path`` (subclass mode), YAML is parsed with omegaconf so
@@ -43,7 +43,8 @@ class LightningRLCLI(LightningCLI):
 
 
 def main(args: list[str] | None = None) -> None:
-    """Console entry point. ``LRL_NUM_THREADS`` sets torch's CPU threads (1 is often fastest for tiny models)."""
+    """Console entry point. ``LRL_NUM_THREADS`` sets torch's CPU threads (1 is often fastest for tiny
+    models)."""
     threads = os.environ.get("LRL_NUM_THREADS")
     if threads:
         torch.set_num_threads(int(threads))

@@ -15,16 +15,12 @@ register it in ``TRUST_REGIONS`` (the maths; its keyword arguments become its op
 options as fields of ``Objective`` / keys of ``OnlineRL`` (the config). An aggregation: a function in
 ``AGGREGATORS`` and its name in :data:`Aggregation`.
 
-Metrics are means over what one ratio stands for: tokens for a token ratio, sequences for GSPO's
-sequence ratio. ``policy/approx_kl`` is the k3 estimator of KL(pi_old || pi_theta) from samples of
-pi_old, ``mean((r - 1) - log r)``, which is >= 0 and has lower variance than k1.
-
-Gradient accumulation: ``num_tokens`` / ``num_seqs`` (keyword-only) are the normaliser counts of the
-*whole* minibatch (see :func:`normalizer_counts`); with them the sum of the micro-batch losses equals
-the loss of the whole minibatch, in value and gradient. Padding positions never reach ``exp``: log-ratios
-are zeroed there first, so garbage (even inf/NaN) in padded log-probs cannot leak into the loss or its
-gradient. Advantages, KL estimators and reward shaping live in :mod:`lightning_rl.advantages` and are
-re-exported here.
+Metrics are means over what one ratio stands for (tokens, or GSPO's sequences); ``policy/approx_kl`` is
+k3 of the ratio, ``mean((r - 1) - log r)``: KL(pi_old || pi_theta), >= 0, lower variance than k1.
+``num_tokens`` / ``num_seqs`` are the whole minibatch's normalisers (micro-batching, see
+:mod:`lightning_rl.aggregation`). Padded log-ratios are zeroed before ``exp``, so garbage (even inf/NaN)
+there cannot reach the loss or its gradient. :mod:`lightning_rl.advantages` (advantages, KL estimators,
+shaping) and :mod:`lightning_rl.preference_losses` (DPO) are re-exported here.
 """
 
 from __future__ import annotations
@@ -56,8 +52,8 @@ from lightning_rl.checks import check_choice, check_range, check_shapes
 from lightning_rl.preference_losses import DPO_LOSS_TYPES, DPOLossType, dpo_loss
 
 __all__ = [
-    "AGGREGATIONS", "AGGREGATORS", "DPO_LOSS_TYPES", "DPOLossType", "KL_ESTIMATORS", "RATIO_LEVELS", "TRUST_REGIONS", "Aggregation",
-    "KLEstimator", "RatioLevel", "Surrogate", "TrustRegion", "aggregate", "broadcast_advantages",
+    "AGGREGATIONS", "AGGREGATORS", "DPO_LOSS_TYPES", "DPOLossType", "KL_ESTIMATORS", "RATIO_LEVELS",
+    "TRUST_REGIONS", "Aggregation", "KLEstimator", "RatioLevel", "Surrogate", "TrustRegion", "aggregate", "broadcast_advantages",
     "clipped_surrogate", "dapo_group_keep", "dapo_loss", "dpo_loss", "entropy_from_logits", "gae_advantages",
     "group_advantages", "grpo_loss", "gspo_loss", "kl_penalty", "masked_mean", "normalizer_counts",
     "overlong_penalty", "policy_loss", "ppo_policy_loss", "sapo_loss", "sequence_log_ratio",
@@ -99,7 +95,8 @@ def token_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
 
 
 def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    """GSPO-token ratio ``log s_it = sg[log s_i] + logp_t - sg[logp_t]``, ``log s_i`` the row's mean log-ratio.
+    """GSPO-token ratio ``log s_it = sg[log s_i] + logp_t - sg[logp_t]``, ``log s_i`` the row's mean
+    log-ratio.
 
     Its value is the sequence ratio on every valid token of the row; its gradient is ``s_i grad logp_t``,
     so with ``seq-mean-token-mean`` it equals GSPO's sequence objective in value and gradient.
@@ -138,9 +135,14 @@ class Surrogate(NamedTuple):
 
 
 def clipped_surrogate(
-    log_ratio: Tensor, adv: Tensor, clip_low: float = 0.2, clip_high: float = 0.2, clip_ratio_c: float | None = None
+    log_ratio: Tensor,
+    adv: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_ratio_c: float | None = None,
 ) -> Surrogate:
-    """PPO clip ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``; dual clip caps it at ``-c A`` for A < 0.
+    """PPO clip ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``; dual clip caps it at ``-c A``
+    for A < 0.
 
     Args:
         log_ratio, adv: ``[B, T]``. clip_low: in (0, 1). clip_high: > 0. clip_ratio_c: > 1 or None (off).
@@ -162,12 +164,14 @@ def clipped_surrogate(
     return Surrogate(loss, ratio, stats)
 
 
-def soft_gate_surrogate(log_ratio: Tensor, adv: Tensor, tau_pos: float = 1.0, tau_neg: float = 1.05) -> Surrogate:
+def soft_gate_surrogate(
+    log_ratio: Tensor, adv: Tensor, tau_pos: float = 1.0, tau_neg: float = 1.05
+) -> Surrogate:
     """SAPO soft gate: ``-f(r) A`` with ``f(r) = 4 / tau * sigmoid(tau (r - 1))``, ``tau = tau_pos if A > 0
     else tau_neg``.
 
-    ``d f / d log r = w r`` with gate weight ``w = 4 sigmoid(tau (r-1)) (1 - sigmoid(tau (r-1)))`` (1 at r = 1,
-    logged as ``gate_weight_mean``): the plain policy gradient on-policy, fading smoothly off-policy. The
+    ``d f / d log r = w r`` with gate weight ``w = 4 sigmoid(tau (r-1)) (1 - sigmoid(tau (r-1)))``
+    (1 at r = 1, logged as ``gate_weight_mean``): the plain policy gradient on-policy, fading smoothly off-policy. The
     log-ratio is clamped to [-20, 20] before ``exp`` so an extreme token cannot overflow (its gradient is 0).
     """
     check_range("tau_pos", tau_pos)
@@ -178,7 +182,10 @@ def soft_gate_surrogate(log_ratio: Tensor, adv: Tensor, tau_pos: float = 1.0, ta
     return Surrogate(-4.0 / tau * gate * adv, ratio, {"gate_weight_mean": 4.0 * gate * (1.0 - gate)})
 
 
-TRUST_REGIONS: dict[str, Callable[..., Surrogate]] = {"clip": clipped_surrogate, "soft_gate": soft_gate_surrogate}
+TRUST_REGIONS: dict[str, Callable[..., Surrogate]] = {
+    "clip": clipped_surrogate,
+    "soft_gate": soft_gate_surrogate,
+}
 
 
 # ---------------------------------------------------------------------------------------- policy loss
@@ -222,7 +229,9 @@ def policy_loss(
     if kl_coef < 0:
         raise ValueError(f"`kl_coef` must be >= 0, got {kl_coef}")
     if ref_logp is None and kl_coef != 0:
-        raise ValueError(f"`ref_logp` is None but the KL coefficient is {kl_coef}; pass ref_logp or set it to 0")
+        raise ValueError(
+            f"`ref_logp` is None but the KL coefficient is {kl_coef}; pass ref_logp or set it to 0"
+        )
     mask = mask.bool()
     level = RATIO_LEVELS[ratio_level]
     adv = level.advantages(broadcast_advantages(advantages, logp), mask)
@@ -247,55 +256,40 @@ def policy_loss(
 
 
 # ------------------------------------------------------------------------------- the contract's presets
-def ppo_policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_eps: float = 0.2,
-    aggregation: Aggregation = "token-mean",
-    *,
-    clip_eps_high: float | None = None,
-    clip_ratio_c: float | None = None,
-    num_tokens: Count = None,
-    num_seqs: Count = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate: ``aggregate(-min(r A, clip(r, 1-eps, 1+eps_high) A))``, ``r = exp(logp - old_logp)``.
+def _ppo_clip(clip_eps: float, clip_eps_high: float | None, clip_ratio_c: float | None) -> dict[str, Any]:
+    """The clip trust region's options from PPO's argument names, validated under those names."""
+    check_range("clip_eps", clip_eps, high=1.0)
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    check_range("clip_eps_high", eps_high)
+    return {"clip_low": clip_eps, "clip_high": eps_high, "clip_ratio_c": clip_ratio_c}
 
-    Dual clip (``clip_ratio_c = c > 1``): for ``A < 0`` the per-token loss is ``min(that, -c A)``.
+
+def ppo_policy_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_eps: float = 0.2,
+    aggregation: Aggregation = "token-mean", *, clip_eps_high: float | None = None,
+    clip_ratio_c: float | None = None, num_tokens: Count = None, num_seqs: Count = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate: ``aggregate(-min(r A, clip(r, 1-eps, 1+eps_high) A))``,
+    ``r = exp(logp - old_logp)``; dual clip (``clip_ratio_c = c > 1``) caps the loss at ``-c A`` for A < 0.
 
     Args:
-        logp, old_logp: ``[B, T]``. advantages: ``[B]`` or ``[B, T]``. mask: ``[B, T]``.
-        clip_eps: lower (and default upper) clip range, in (0, 1).
-        aggregation: one of :data:`AGGREGATIONS`.
-        clip_eps_high: upper clip range (``None``: ``clip_eps``).
-        clip_ratio_c: dual-clip constant ``c > 1`` or ``None`` (off).
+        clip_eps: lower (and default upper) clip range, in (0, 1). clip_eps_high: upper range (None: clip_eps).
+        aggregation: one of :data:`AGGREGATIONS`. clip_ratio_c: dual-clip constant ``c > 1`` or None (off).
         num_tokens, num_seqs: whole-minibatch normalisers (see :func:`aggregate`).
 
     Returns:
         ``(loss, metrics)`` with ``policy/{clip_frac, clip_frac_low, clip_frac_high, approx_kl, ratio_mean}``
         and ``policy/clip_frac_dual`` when dual clip is on.
     """
-    check_range("clip_eps", clip_eps, high=1.0)  # named as the caller knows them
-    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    check_range("clip_eps_high", eps_high)
-    clip = {"clip_low": clip_eps, "clip_high": eps_high, "clip_ratio_c": clip_ratio_c}
+    clip = _ppo_clip(clip_eps, clip_eps_high, clip_ratio_c)
     return policy_loss(logp, old_logp, None, advantages, mask, trust_region="clip", trust_region_args=clip,
                        aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs)
 
 
 def dapo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    aggregation: Aggregation = "token-mean",
-    *,
-    clip_ratio_c: float | None = None,
-    num_tokens: Count = None,
-    num_seqs: Count = None,
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float = 0.2,
+    clip_high: float = 0.28, aggregation: Aggregation = "token-mean", *, clip_ratio_c: float | None = None,
+    num_tokens: Count = None, num_seqs: Count = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """DAPO: PPO clip with the decoupled ("clip-higher") range ``[1 - clip_low, 1 + clip_high]``.
 
@@ -307,20 +301,10 @@ def dapo_loss(
 
 
 def grpo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    ref_logp: Tensor | None,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_eps: float = 0.2,
-    beta: float = 0.04,
-    aggregation: Aggregation = "seq-mean-token-mean",
-    *,
-    clip_eps_high: float | None = None,
-    clip_ratio_c: float | None = None,
-    kl_estimator: KLEstimator = "k3",
-    num_tokens: Count = None,
-    num_seqs: Count = None,
+    logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, advantages: Tensor, mask: Tensor,
+    clip_eps: float = 0.2, beta: float = 0.04, aggregation: Aggregation = "seq-mean-token-mean", *,
+    clip_eps_high: float | None = None, clip_ratio_c: float | None = None, kl_estimator: KLEstimator = "k3",
+    num_tokens: Count = None, num_seqs: Count = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO: ``-aggregate(min(r A, clip(r) A) - beta * KL_t)``, ``KL_t = kl_penalty(logp, ref_logp)``.
 
@@ -337,25 +321,15 @@ def grpo_loss(
         raise ValueError(f"`beta` must be >= 0, got {beta}")
     if ref_logp is None and beta != 0:
         raise ValueError(f"`ref_logp` is None but beta={beta}; pass ref_logp or set beta=0")
-    check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
-    check_range("clip_eps", clip_eps, high=1.0)
-    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    check_range("clip_eps_high", eps_high)
-    clip = {"clip_low": clip_eps, "clip_high": eps_high, "clip_ratio_c": clip_ratio_c}
-    return policy_loss(logp, old_logp, ref_logp, advantages, mask, trust_region="clip", trust_region_args=clip,
-                       aggregation=aggregation, kl_coef=beta, kl_estimator=kl_estimator, num_tokens=num_tokens,
-                       num_seqs=num_seqs)
+    clip = _ppo_clip(clip_eps, clip_eps_high, clip_ratio_c)
+    return policy_loss(logp, old_logp, ref_logp, advantages, mask, trust_region="clip",
+                       trust_region_args=clip, aggregation=aggregation, kl_coef=beta,
+                       kl_estimator=kl_estimator, num_tokens=num_tokens, num_seqs=num_seqs)
 
 
 def gspo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float = 3e-4,
-    clip_high: float = 4e-4,
-    *,
-    num_seqs: Count = None,
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float = 3e-4,
+    clip_high: float = 4e-4, *, num_seqs: Count = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO: sequence-level ratio ``s_i = exp(sum_t m_it (logp - old_logp)_it / sum_t m_it)``;
     ``loss = -mean_i min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i)`` over rows with a valid token.
@@ -378,15 +352,8 @@ def gspo_loss(
 
 
 def sapo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    tau_pos: float = 1.0,
-    tau_neg: float = 1.05,
-    aggregation: Aggregation = "seq-mean-token-mean",
-    *,
-    num_tokens: Count = None,
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, tau_pos: float = 1.0,
+    tau_neg: float = 1.05, aggregation: Aggregation = "seq-mean-token-mean", *, num_tokens: Count = None,
     num_seqs: Count = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """SAPO soft gate: ``loss = -aggregate(f(r) A)``, ``f(r) = 4 / tau * sigmoid(tau (r - 1))``,
@@ -396,17 +363,13 @@ def sapo_loss(
         ``(loss, metrics)`` with ``policy/{gate_weight_mean, approx_kl, ratio_mean}``.
     """
     gate = {"tau_pos": tau_pos, "tau_neg": tau_neg}
-    return policy_loss(logp, old_logp, None, advantages, mask, trust_region="soft_gate", trust_region_args=gate,
-                       aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs)
+    return policy_loss(logp, old_logp, None, advantages, mask, trust_region="soft_gate",
+                       trust_region_args=gate, aggregation=aggregation, num_tokens=num_tokens,
+                       num_seqs=num_seqs)
 
 
 def value_loss(
-    values: Tensor,
-    old_values: Tensor,
-    returns: Tensor,
-    mask: Tensor,
-    clip_eps: float = 0.2,
-    *,
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_eps: float = 0.2, *,
     num_tokens: Count = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value loss: ``0.5 * token-mean(max((v - R)^2, (v_old + clip(v - v_old, -eps, eps) - R)^2))``.

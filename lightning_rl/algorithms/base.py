@@ -32,7 +32,9 @@ def render_prompts(tokenizer: Any, prompts: Sequence[Any], chat_template: bool) 
             continue
         messages = [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
         if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("`model.chat_template` is on (or prompts are messages) but the tokenizer has no chat template")
+            raise ValueError(
+                "`model.chat_template` is on (or prompts are messages) but the tokenizer has no chat template"
+            )
         out.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
     return out
 

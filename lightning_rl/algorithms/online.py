@@ -111,7 +111,9 @@ class OnlineRL(PolicyModule):
         super().__init__(*args, **kwargs)
         self.automatic_optimization = False
         if num_generations < 2:
-            raise ValueError(f"`model.num_generations` must be >= 2 for group advantages, got {num_generations}")
+            raise ValueError(
+                f"`model.num_generations` must be >= 2 for group advantages, got {num_generations}"
+            )
         for key, value in {"ppo_epochs": ppo_epochs, "num_minibatches": num_minibatches,
                            "max_gen_batches": max_gen_batches, "temperature": temperature}.items():
             if not value > 0:
@@ -121,18 +123,25 @@ class OnlineRL(PolicyModule):
         if overlong_buffer == "auto":
             overlong_buffer = max(1, self.max_new_tokens // 5)
         if overlong_buffer is not None and not 0 <= overlong_buffer <= self.max_new_tokens:
-            raise ValueError(f"`model.overlong_buffer` must be 'auto' or in [0, max_new_tokens={self.max_new_tokens}],"
-                             f" got {overlong_buffer}")
+            raise ValueError(
+                f"`model.overlong_buffer` must be 'auto' or in [0, max_new_tokens={self.max_new_tokens}], "
+                f"got {overlong_buffer}"
+            )
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"`model.max_grad_norm` must be > 0 or null, got {max_grad_norm}")
-        self.objective = Objective(ratio_level=ratio_level, trust_region=trust_region, clip_low=clip_low,
-                                   clip_high=clip_high, clip_ratio_c=clip_ratio_c, tau_pos=tau_pos, tau_neg=tau_neg,
-                                   aggregation=aggregation, kl_coef=kl_coef, kl_estimator=kl_estimator)
-        self.num_generations, self.temperature, self.top_p, self.top_k = num_generations, temperature, top_p, top_k
-        self.rewards = RewardScorer(reward_fns or ["lightning_rl.rewards:exact_match"], reward_weights, on_reward_error)
+        self.objective = Objective(
+            ratio_level=ratio_level, trust_region=trust_region, clip_low=clip_low, clip_high=clip_high,
+            clip_ratio_c=clip_ratio_c, tau_pos=tau_pos, tau_neg=tau_neg, aggregation=aggregation,
+            kl_coef=kl_coef, kl_estimator=kl_estimator,
+        )
+        self.num_generations, self.temperature = num_generations, temperature
+        self.top_p, self.top_k = top_p, top_k
+        reward_fns = reward_fns or ["lightning_rl.rewards:exact_match"]
+        self.rewards = RewardScorer(reward_fns, reward_weights, on_reward_error)
         self.correctness_fn = import_reward(correctness_fn) if correctness_fn else self.accuracy_fn
         self.scale_advantages = scale_advantages
-        self.ppo_epochs, self.num_minibatches, self.micro_batch_size = ppo_epochs, num_minibatches, micro_batch_size
+        self.ppo_epochs, self.num_minibatches = ppo_epochs, num_minibatches
+        self.micro_batch_size = micro_batch_size
         self.max_grad_norm = max_grad_norm
         self.overlong_buffer, self.overlong_penalty_factor = overlong_buffer or None, overlong_penalty_factor
         self.mask_truncated = mask_truncated
@@ -228,17 +237,20 @@ class OnlineRL(PolicyModule):
             logp, _ = model.token_logprobs(part.prompt_ids, part.prompt_mask, part.completion_ids,
                                            part.completion_mask, **self.scoring_kwargs)
             out.append(logp)
-        return torch.cat(out, 0) if out else rollout.completion_mask.new_zeros(rollout.completion_mask.shape).float()
+        if not out:
+            return rollout.completion_mask.new_zeros(rollout.completion_mask.shape).float()
+        return torch.cat(out, 0)
 
     @property
     def scoring_kwargs(self) -> dict[str, Any]:
-        """How sampled tokens are scored: the sampling temperature, no top-k / top-p filter (module docstring)."""
+        """How sampled tokens are scored: at the sampling temperature, without top-k / top-p (see module)."""
         return {"temperature": self.temperature}
 
     @property
     def sync_generation(self) -> bool:
         """Sharded models must keep generating on every rank until all ranks finish."""
-        return type(self.trainer.strategy).__name__ in ("ModelParallelStrategy", "FSDPStrategy", "DeepSpeedStrategy")
+        sharded = ("ModelParallelStrategy", "FSDPStrategy", "DeepSpeedStrategy")
+        return type(self.trainer.strategy).__name__ in sharded
 
     def collect_rollout(self, batch: dict[str, list]) -> tuple[Rollout, dict[str, float]]:
         """Generate, score, filter (callbacks), then add reference log-probs when a KL term is on."""
@@ -258,9 +270,12 @@ class OnlineRL(PolicyModule):
         for cb in self.rl_callbacks():
             cb.on_rollout_end(self.trainer, self, rollout)
         if self.updates_per_rollout > 1 and rollout.old_logp is None and len(rollout):
-            raise RuntimeError("ppo_epochs * num_minibatches > 1 needs behaviour log-probs: keep the OldPolicySnapshot callback")
+            raise RuntimeError(
+                "ppo_epochs * num_minibatches > 1 needs behaviour log-probs: keep the OldPolicySnapshot callback"
+            )
         rollout, excluded = exclude_nonfinite(rollout)
-        generator = torch.Generator().manual_seed(self.rollout_seed * 1_000_003 + self.trainer.fit_loop.total_batch_idx)
+        step = self.trainer.fit_loop.total_batch_idx
+        generator = torch.Generator().manual_seed(self.rollout_seed * 1_000_003 + step)
         for _ in range(self.ppo_epochs):
             for minibatch in self.split_minibatches(rollout, generator):
                 self.update(minibatch)
@@ -287,7 +302,8 @@ class OnlineRL(PolicyModule):
             sync = contextlib.nullcontext() if i == len(micros) - 1 else self.no_sync()
             with sync:
                 if len(micro) == 0:  # this rank has nothing, but must join the gradient all-reduce
-                    self.manual_backward(sum(p.sum() * 0.0 for p in self.policy.parameters() if p.requires_grad))
+                    zero = sum(p.sum() * 0.0 for p in self.policy.parameters() if p.requires_grad)
+                    self.manual_backward(zero)
                     continue
                 loss, metrics = self.micro_loss(micro, num_tokens, num_seqs)
                 # data-parallel strategies average gradients over ranks; the normalisers are already global
@@ -297,13 +313,13 @@ class OnlineRL(PolicyModule):
             metrics["policy/loss"] = loss.detach() * world / share
             for cb in self.rl_callbacks():
                 cb.on_update_end(self.trainer, self, metrics, share)
-        opt.step()  # gradients are clipped in on_before_optimizer_step, after the precision plugin unscaled them
+        opt.step()  # clipped in on_before_optimizer_step, after the precision plugin unscaled them
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
-        """Clip by global norm through Lightning (correct under AMP, FSDP2 and DeepSpeed); log the norm before."""
+        """Clip by global norm through Lightning (right under AMP, FSDP2, DeepSpeed); log the norm before."""
         if self.max_grad_norm is None:
             return
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
@@ -326,18 +342,23 @@ class OnlineRL(PolicyModule):
             return contextlib.nullcontext()
         return wrapped.no_sync()
 
-    def micro_loss(self, micro: Rollout, num_tokens: torch.Tensor, num_seqs: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        logp, entropy = self.policy.token_logprobs(micro.prompt_ids, micro.prompt_mask, micro.completion_ids,
-                                                   micro.completion_mask, with_entropy=True, **self.scoring_kwargs)
+    def micro_loss(
+        self, micro: Rollout, num_tokens: torch.Tensor, num_seqs: torch.Tensor
+    ) -> tuple[torch.Tensor, dict]:
+        logp, entropy = self.policy.token_logprobs(
+            micro.prompt_ids, micro.prompt_mask, micro.completion_ids, micro.completion_mask,
+            with_entropy=True, **self.scoring_kwargs,
+        )
         old_logp = micro.old_logp if micro.old_logp is not None else logp.detach()
-        loss, metrics = self.objective(logp, old_logp, micro.ref_logp, micro.advantages, micro.completion_mask,
-                                       num_tokens=num_tokens, num_seqs=num_seqs)
+        loss, metrics = self.objective(logp, old_logp, micro.ref_logp, micro.advantages,
+                                       micro.completion_mask, num_tokens=num_tokens, num_seqs=num_seqs)
         metrics["policy/entropy"] = masked_mean(entropy.detach(), micro.completion_mask.bool())
         return loss, metrics
 
     # ---- validation -----------------------------------------------------------------------------
     def validation_extra(self, batch: dict[str, list], completions: list[str], lengths: list[int]) -> None:
-        scores, _ = self.rewards(batch["prompt"], completions, completion_lengths=lengths, **batch_columns(batch))
+        scores, _ = self.rewards(batch["prompt"], completions, completion_lengths=lengths,
+                                 **batch_columns(batch))
         value = torch.tensor(scores, dtype=torch.float32, device=self.device).mean()
         self.log("val/reward_mean", value, batch_size=len(completions), sync_dist=True)
 
