@@ -29,7 +29,8 @@ def _scalars(log_dir: Path) -> dict[str, list[float]]:
 
 
 def _cli(subcommand: str, name: str, out: Path) -> float:
-    cmd = [sys.executable, "-m", "lightning_rl.cli", subcommand, "--config", str(ROOT / "configs" / f"{name}.yaml"),
+    cmd = [sys.executable, "-m", "lightning_rl.cli", subcommand,
+           "--config", str(ROOT / "configs" / f"{name}.yaml"),
            "--trainer.logger.init_args.save_dir", str(out), "--trainer.enable_progress_bar", "false"]
     start = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -55,8 +56,10 @@ def main(names: list[str]) -> None:
     print("|---|---|---|---|---|")
     for name in names:
         r = run(name)
-        note = f" (held-out preference accuracy {r['pref_start']:.2f} -> {r['pref_end']:.2f})" if "pref_start" in r else ""
-        print(f"| `configs/{name}.yaml` | {r['start']:.3f} | {r['end']:.3f}{note} | {r['steps']} | {r['seconds']:.0f} |",
+        note = (f" (held-out preference accuracy {r['pref_start']:.2f} -> {r['pref_end']:.2f})"
+                if "pref_start" in r else "")
+        print(f"| `configs/{name}.yaml` | {r['start']:.3f} | {r['end']:.3f}{note} | "
+              f"{r['steps']} | {r['seconds']:.0f} |",
               flush=True)
 
 

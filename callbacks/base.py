@@ -31,7 +31,9 @@ class RLCallback(L.Callback):
     def on_rollout_end(self, trainer: L.Trainer, pl_module: Any, rollout: Rollout) -> None:
         """The final rollout of this step, before any update."""
 
-    def on_update_end(self, trainer: L.Trainer, pl_module: Any, metrics: dict[str, Any], weight: float) -> None:
+    def on_update_end(
+        self, trainer: L.Trainer, pl_module: Any, metrics: dict[str, Any], weight: float
+    ) -> None:
         """After each micro-batch's backward pass: its loss metrics and its share of the minibatch."""
 
     def on_step_end(self, trainer: L.Trainer, pl_module: Any, stats: Mapping[str, float]) -> None:

@@ -18,7 +18,9 @@ def rollout_stats(rollout: Rollout, group_size: int) -> dict[str, tuple[torch.Te
     n = float(len(rollout))
     rewards = rollout.rewards.float()
     grouped = rewards.view(-1, group_size) if len(rollout) else rewards.view(0, group_size)
-    zero_std = (grouped.max(-1).values == grouped.min(-1).values).float() if len(grouped) else rewards.new_zeros(0)
+    zero_std = (
+        (grouped.max(-1).values == grouped.min(-1).values).float() if len(grouped) else rewards.new_zeros(0)
+    )
     return {
         "rollout/reward_mean": (rewards.mean(), n),
         "rollout/reward_std": (rewards.std() if len(rewards) > 1 else rewards.new_zeros(()), n),
@@ -52,7 +54,9 @@ class PolicyMetrics(RLCallback):
             for name, (value, weight) in rollout_stats(rollout, pl_module.num_generations).items():
                 self._update(pl_module.device, name, value, weight)
 
-    def on_update_end(self, trainer: L.Trainer, pl_module: Any, metrics: dict[str, Any], weight: float) -> None:
+    def on_update_end(
+        self, trainer: L.Trainer, pl_module: Any, metrics: dict[str, Any], weight: float
+    ) -> None:
         for name, value in metrics.items():
             self._update(pl_module.device, name, value, weight)
 

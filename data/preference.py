@@ -56,8 +56,11 @@ class EncodedPairs:
     completion_truncated: int
 
     def to(self, device: torch.device | str) -> EncodedPairs:
-        move = {k: getattr(self, k).to(device) for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
-        return EncodedPairs(**move, prompt_truncated=self.prompt_truncated, completion_truncated=self.completion_truncated)
+        move = {k: getattr(self, k).to(device)
+                for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        return EncodedPairs(
+            **move, prompt_truncated=self.prompt_truncated, completion_truncated=self.completion_truncated
+        )
 
 
 def _messages(value: Any, role: str) -> list[dict[str, Any]]:
@@ -77,7 +80,9 @@ def render_pair(tokenizer: Any, prompt: Any, completion: Any, chat_template: boo
     if isinstance(prompt, str) and isinstance(completion, str) and not chat_template:
         return prompt, completion, False
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("conversational rows (or `model.chat_template`) need a tokenizer with a chat template")
+        raise ValueError(
+            "conversational rows (or `model.chat_template`) need a tokenizer with a chat template"
+        )
     prompt_msgs = _messages(prompt, "user")
     prompt_text = tokenizer.apply_chat_template(prompt_msgs, tokenize=False, add_generation_prompt=True)
     full = tokenizer.apply_chat_template(prompt_msgs + _messages(completion, "assistant"), tokenize=False)
@@ -157,10 +162,14 @@ def _check_messages(value: Any, where: str) -> None:
     if isinstance(value, str):
         return
     if not isinstance(value, list):  # e.g. CSV type inference turned "01358" into the int 1358
-        raise ValueError(f"{where} must be a string or a list of messages, got {type(value).__name__} {value!r}")
+        raise ValueError(
+            f"{where} must be a string or a list of messages, got {type(value).__name__} {value!r}"
+        )
     for m in value:
         if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
-            raise ValueError(f"{where} must be a string or a list of {{'role', 'content'}} messages, got {m!r}")
+            raise ValueError(
+                f"{where} must be a string or a list of {{'role', 'content'}} messages, got {m!r}"
+            )
 
 
 class PreferenceDataModule(RowsDataModule):
@@ -206,9 +215,16 @@ class PreferenceDataModule(RowsDataModule):
     ) -> None:
         super().__init__()
         if batch_size < 1 or val_batch_size < 1:
-            raise ValueError(f"`data.batch_size` and `data.val_batch_size` must be >= 1, got {batch_size}, {val_batch_size}")
-        self.path, self.val_path, self.split, self.val_split, self.name = path, val_path, split, val_split, name
-        self.prompt_column, self.chosen_column, self.rejected_column = prompt_column, chosen_column, rejected_column
+            raise ValueError(
+                "`data.batch_size` and `data.val_batch_size` must be >= 1, "
+                f"got {batch_size}, {val_batch_size}"
+            )
+        self.path, self.val_path, self.split, self.val_split, self.name = (
+            path, val_path, split, val_split, name
+        )
+        self.prompt_column, self.chosen_column, self.rejected_column = (
+            prompt_column, chosen_column, rejected_column
+        )
         self.answer_column = answer_column
         self.batch_size, self.val_batch_size, self.max_val_rows = batch_size, val_batch_size, max_val_rows
         self.seed, self.shuffle = seed, shuffle
@@ -217,9 +233,13 @@ class PreferenceDataModule(RowsDataModule):
         if self.train_rows:
             return
         if self.path is None:
-            train, val, source = load_rows(str(BUILTIN_TRAIN)), load_rows(str(BUILTIN_VAL)), "built-in sort pairs"
+            train, val, source = (
+                load_rows(str(BUILTIN_TRAIN)), load_rows(str(BUILTIN_VAL)), "built-in sort pairs"
+            )
         else:
-            train, val, source = load_rows(self.path, self.split, self.name), self.load_val(), f"`data.path`={self.path}"
+            train, val, source = (
+                load_rows(self.path, self.split, self.name), self.load_val(), f"`data.path`={self.path}"
+            )
         self.train_rows = self.prepare_rows(train, f"{source} (split {self.split})")
         if val:
             self.val_rows = self.prepare_rows(val, f"validation data of {source}")[: self.max_val_rows]
@@ -241,12 +261,17 @@ class PreferenceDataModule(RowsDataModule):
             check_rows(rows, {"data.answer_column": answer}, source)
         return [self._canonical(i, row, implicit, answer, source) for i, row in enumerate(rows)]
 
-    def _canonical(self, i: int, row: dict[str, Any], implicit: bool, answer: str | None, source: str) -> dict[str, Any]:
+    def _canonical(
+        self, i: int, row: dict[str, Any], implicit: bool, answer: str | None, source: str
+    ) -> dict[str, Any]:
         chosen, rejected = row[self.chosen_column], row[self.rejected_column]
         where = f"dataset {source}, row {i}"
         if implicit:
             if not isinstance(rejected, list):
-                raise ValueError(f"{where}: column `{self.rejected_column}` (data.rejected_column) must be messages like `{self.chosen_column}`")
+                raise ValueError(
+                    f"{where}: column `{self.rejected_column}` (data.rejected_column) "
+                    f"must be messages like `{self.chosen_column}`"
+                )
             prompt, chosen, rejected = split_implicit_prompt(chosen, rejected)
             if not prompt and chosen != rejected:
                 raise ValueError(
@@ -279,7 +304,9 @@ def _corrupt(answer: str) -> str:
     return swapped if swapped != answer else answer[:-1] + str((int(answer[-1]) + 1) % 10)
 
 
-def sort_pairs(policy: Any, rows: list[dict[str, str]], tag: str, num_samples: int = 8, chunk: int = 64) -> list[dict[str, str]]:
+def sort_pairs(
+    policy: Any, rows: list[dict[str, str]], tag: str, num_samples: int = 8, chunk: int = 64
+) -> list[dict[str, str]]:
     """One pair per sort row: chosen = the answer, rejected = the first wrong sample of ``policy``.
 
     Each chunk of ``chunk`` rows is sampled under its own seed (from ``tag`` and the chunk index), so a
@@ -290,13 +317,16 @@ def sort_pairs(policy: Any, rows: list[dict[str, str]], tag: str, num_samples: i
         part = rows[start : start + chunk]
         torch.manual_seed(zlib.crc32(f"{tag}-{start // chunk}".encode()))
         ids, mask = policy.encode_prompts([r["prompt"] for r in part])
-        gen = policy.generate(ids, mask, num_samples=num_samples, max_new_tokens=len(part[0]["answer"]) + 3, temperature=1.0)
+        gen = policy.generate(
+            ids, mask, num_samples=num_samples, max_new_tokens=len(part[0]["answer"]) + 3, temperature=1.0
+        )
         texts = policy.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
         for i, row in enumerate(part):
             samples = texts[i * num_samples : (i + 1) * num_samples]
             wrong = [s for s in samples if s.strip() and s.strip() != row["answer"]]
             rejected = wrong[0] if wrong else _corrupt(row["answer"])
-            pairs.append({"prompt": row["prompt"], "chosen": row["answer"], "rejected": rejected, "answer": row["answer"]})
+            pairs.append({"prompt": row["prompt"], "chosen": row["answer"], "rejected": rejected,
+                          "answer": row["answer"]})
     return pairs
 
 
@@ -325,7 +355,9 @@ def make_sort_pairs(out_dir: str, num_train: int = 4096, seed: int = 0) -> list[
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--make-sort-pairs", metavar="DIR", required=True, help="write the built-in pairs here")
+    parser.add_argument(
+        "--make-sort-pairs", metavar="DIR", required=True, help="write the built-in pairs here"
+    )
     parser.add_argument("--num-train", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

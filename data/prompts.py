@@ -23,7 +23,9 @@ from lightning_rl.data.sort_task import SortTask
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-def load_rows(path: str, split: str = "train", name: str | None = None, require_split: bool = False) -> list[dict[str, Any]]:
+def load_rows(
+    path: str, split: str = "train", name: str | None = None, require_split: bool = False
+) -> list[dict[str, Any]]:
     """Load a table as a list of dict rows.
 
     ``path`` is a JSONL / JSON / CSV / Parquet file, a folder written by ``datasets.save_to_disk``, or
@@ -35,7 +37,9 @@ def load_rows(path: str, split: str = "train", name: str | None = None, require_
     import datasets
 
     local = Path(path)
-    if local.is_dir() and any((local / f).exists() for f in ("dataset_info.json", "dataset_dict.json", "state.json")):
+    if local.is_dir() and any(
+        (local / f).exists() for f in ("dataset_info.json", "dataset_dict.json", "state.json")
+    ):
         ds = datasets.load_from_disk(str(local))
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
@@ -62,9 +66,14 @@ def _load_file(local: Path) -> list[dict[str, Any]]:
     if local.suffix == ".csv":
         with local.open(newline="") as f:
             header = next(csv.reader(f), [])
-        kwargs = {"features": datasets.Features({c: datasets.Value("string") for c in header}), "keep_default_na": False}
+        kwargs = {
+            "features": datasets.Features({c: datasets.Value("string") for c in header}),
+            "keep_default_na": False,
+        }
     try:
-        return datasets.load_dataset(FILE_BUILDERS[local.suffix], data_files=str(local), split="train", **kwargs).to_list()
+        return datasets.load_dataset(
+            FILE_BUILDERS[local.suffix], data_files=str(local), split="train", **kwargs
+        ).to_list()
     except ValueError as err:
         if "corresponds to no data" in str(err):  # header-only CSV, blank JSONL, 0-row Parquet
             return []
@@ -100,14 +109,17 @@ class PromptStream(IterableDataset):
     pure function of (seed, k), so starting at ``start`` reproduces an uninterrupted run.
     """
 
-    def __init__(self, rows, batch_size: int, seed: int, shuffle: bool, rank: int, world_size: int, start: int):
+    def __init__(
+        self, rows, batch_size: int, seed: int, shuffle: bool, rank: int, world_size: int, start: int
+    ):
         self.rows, self.batch_size, self.seed, self.shuffle = rows, batch_size, seed, shuffle
         self.rank, self.world_size, self.start = rank, world_size, start
         self.global_batch = batch_size * world_size
         self.per_epoch = len(rows) // self.global_batch
         if self.per_epoch == 0:
             raise ValueError(
-                f"`batch_size`={batch_size} x world size {world_size} is larger than the dataset ({len(rows)} rows)"
+                f"`batch_size`={batch_size} x world size {world_size} is larger than the dataset "
+                f"({len(rows)} rows)"
             )
 
     def _order(self, epoch: int) -> list[int]:
@@ -133,7 +145,8 @@ def collate(rows: list[dict[str, Any]]) -> dict[str, list]:
 
 
 class RowsDataModule(L.LightningDataModule):
-    """What the row-based DataModules share: the checkpointed training stream, validation and held-out loading.
+    """What the row-based DataModules share: the checkpointed training stream, validation and
+    held-out loading.
 
     Subclasses set ``path``, ``val_path``, ``val_split``, ``name``, ``batch_size``, ``val_batch_size``,
     ``seed``, ``shuffle`` and fill ``train_rows`` / ``val_rows`` in ``setup``.
@@ -150,12 +163,16 @@ class RowsDataModule(L.LightningDataModule):
         return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
     def stream(self, seed: int, start: int) -> PromptStream:
-        return PromptStream(self.train_rows, self.batch_size, seed, self.shuffle, *self.rank_and_world(), start)
+        return PromptStream(
+            self.train_rows, self.batch_size, seed, self.shuffle, *self.rank_and_world(), start
+        )
 
     def load_val(self) -> list[dict[str, Any]]:
         """``val_path`` (its ``val_split``), else ``path``'s ``val_split`` if it has one, else no rows."""
         try:
-            return load_rows(self.val_path or self.path, self.val_split, self.name, require_split=self.val_path is None)
+            return load_rows(
+                self.val_path or self.path, self.val_split, self.name, require_split=self.val_path is None
+            )
         except (ValueError, KeyError):
             if self.val_path is not None:
                 raise
@@ -219,7 +236,9 @@ class PromptDataModule(RowsDataModule):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"`data.batch_size` must be >= 1, got {batch_size}")
-        self.path, self.val_path, self.split, self.val_split, self.name = path, val_path, split, val_split, name
+        self.path, self.val_path, self.split, self.val_split, self.name = (
+            path, val_path, split, val_split, name
+        )
         self.prompt_column, self.answer_column = prompt_column, answer_column
         self.batch_size, self.val_batch_size, self.max_val_rows = batch_size, val_batch_size, max_val_rows
         self.seed, self.shuffle = seed, shuffle

@@ -51,7 +51,8 @@ def _check_groups(n: int, group_size: int) -> None:
 
 
 def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-8, scale: bool = True) -> Tensor:
-    """GRPO group-relative advantages: ``(r - mean_g) / (std_g + eps)`` per consecutive group of ``group_size``.
+    """GRPO group-relative advantages: ``(r - mean_g) / (std_g + eps)`` per consecutive group of
+    ``group_size``.
 
     ``std_g`` is Bessel-corrected (as ``torch.std``). ``scale=False`` gives ``r - mean_g`` (Dr. GRPO).
     A group of equal rewards gets advantage 0.

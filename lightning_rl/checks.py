@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def check_shapes(ref_name: str, ref: torch.Tensor, ndim: int | None = None, **others: torch.Tensor | None) -> None:
+def check_shapes(
+    ref_name: str, ref: torch.Tensor, ndim: int | None = None, **others: torch.Tensor | None
+) -> None:
     """Require ``ref`` to be ``ndim``-D (when given) and every tensor of ``others`` to have its shape."""
     if ndim is not None and ref.dim() != ndim:
         raise ValueError(f"`{ref_name}` must be {ndim}-D, got shape {tuple(ref.shape)}")

@@ -66,7 +66,9 @@ class Objective:
         }
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
-                raise ValueError(f"`model.{key}`: unknown value {getattr(self, key)!r}; expected one of {allowed}")
+                raise ValueError(
+                    f"`model.{key}`: unknown value {getattr(self, key)!r}; expected one of {allowed}"
+                )
         for key in ("clip_low", "clip_high", "tau_pos", "tau_neg"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"`model.{key}` must be > 0, got {getattr(self, key)}")

@@ -59,7 +59,9 @@ def numeric_match(
     out = []
     for c, a in zip(completions, answer, strict=True):
         got, want = _last_number(c), _last_number(str(a))
-        out.append(float(got is not None and want is not None and math.isclose(got, want, rel_tol=rel_tol, abs_tol=1e-9)))
+        out.append(float(
+            got is not None and want is not None and math.isclose(got, want, rel_tol=rel_tol, abs_tol=1e-9)
+        ))
     return out
 
 
@@ -76,11 +78,15 @@ class RewardScorer:
         on_error: ``raise`` stops the run on the first bad reward; ``zero`` scores it 0 and counts it.
     """
 
-    def __init__(self, fns: Sequence[str], weights: Sequence[float] | None = None, on_error: str = "raise") -> None:
+    def __init__(
+        self, fns: Sequence[str], weights: Sequence[float] | None = None, on_error: str = "raise"
+    ) -> None:
         if not fns:
             raise ValueError("`model.reward_fns` is empty: name at least one reward function")
         if weights is not None and len(weights) != len(fns):
-            raise ValueError(f"`model.reward_weights` has {len(weights)} values for {len(fns)} `model.reward_fns`")
+            raise ValueError(
+                f"`model.reward_weights` has {len(weights)} values for {len(fns)} `model.reward_fns`"
+            )
         if on_error not in ("raise", "zero"):
             raise ValueError(f"`model.on_reward_error` must be 'raise' or 'zero', got {on_error!r}")
         self.names = list(fns)
@@ -88,7 +94,9 @@ class RewardScorer:
         self.weights = list(weights) if weights is not None else [1.0] * len(fns)
         self.on_error = on_error
 
-    def __call__(self, prompts: Sequence[Any], completions: Sequence[str], **columns: Any) -> tuple[list[float], int]:
+    def __call__(
+        self, prompts: Sequence[Any], completions: Sequence[str], **columns: Any
+    ) -> tuple[list[float], int]:
         """Total reward per completion and the number of samples whose reward failed (``on_error: zero``)."""
         total = [0.0] * len(completions)
         failed: set[int] = set()
@@ -110,7 +118,9 @@ class RewardScorer:
                 raise RewardError(f"reward function `{name}` raised {type(err).__name__}: {err}") from err
             return [None] * len(completions)
         if len(values) != len(completions):
-            raise RewardError(f"reward function `{name}` returned {len(values)} values for {len(completions)} completions")
+            raise RewardError(
+                f"reward function `{name}` returned {len(values)} values for {len(completions)} completions"
+            )
         out: list[float | None] = []
         for i, v in enumerate(values):
             try:

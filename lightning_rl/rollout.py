@@ -64,7 +64,9 @@ class Rollout:
         return replace(self, **{f.name: _take(getattr(self, f.name), index) for f in fields(self)})
 
     def minibatches(self, size: int, generator: torch.Generator | None = None) -> Iterator[Rollout]:
-        """Disjoint minibatches of ``size`` rows covering the rollout, shuffled when ``generator`` is given."""
+        """Disjoint minibatches of ``size`` rows covering the rollout, shuffled when ``generator``
+        is given.
+        """
         n = len(self)
         order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
         for start in range(0, n, size):

@@ -16,8 +16,8 @@ class DAPO(OnlineRL):
       (``DAPOGroupFilter``, up to ``max_gen_batches`` rounds);
     * ``token-mean`` aggregation over the whole minibatch;
     * soft overlong punishment over the last ``overlong_buffer`` tokens of ``max_new_tokens``
-      (``auto``: a fifth of the real ``max_new_tokens``, like the paper's 4096 of 20480; ``None`` or 0: off). Truncated
-      completions can also be left out of the loss with ``mask_truncated``.
+      (``auto``: a fifth of the real ``max_new_tokens``, like the paper's 4096 of 20480; ``None`` or 0: off).
+      Truncated completions can also be left out of the loss with ``mask_truncated``.
     """
 
     def __init__(
@@ -31,5 +31,6 @@ class DAPO(OnlineRL):
         overlong_buffer: int | Literal["auto"] | None = "auto",
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, clip_low=clip_low, clip_high=clip_high, aggregation=aggregation, kl_coef=kl_coef,
-                         dynamic_sampling=dynamic_sampling, overlong_buffer=overlong_buffer, **kwargs)
+        super().__init__(*args, clip_low=clip_low, clip_high=clip_high, aggregation=aggregation,
+                         kl_coef=kl_coef, dynamic_sampling=dynamic_sampling,
+                         overlong_buffer=overlong_buffer, **kwargs)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
@@ -34,7 +34,9 @@ def pair_key(prompt: Any, chosen: Any, rejected: Any) -> str:
     return json.dumps([prompt, chosen, rejected], sort_keys=True, ensure_ascii=False)
 
 
-def _drop_reference(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+def _drop_reference(
+    module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
     # state-dict post hook: the reference is rebuilt from `model`, never saved or loaded
     for key in [k for k in state_dict if k.startswith(f"{prefix}{REFERENCE}.")]:
         del state_dict[key]
@@ -107,16 +109,28 @@ class DPO(PolicyModule):
             return
         dm = getattr(self.trainer, "datamodule", None)
         if dm is None or not hasattr(dm, "train_rows"):
-            raise ValueError("`model.precompute_ref_logps` needs a DataModule with `train_rows` (e.g. PreferenceDataModule)")
+            raise ValueError(
+                "`model.precompute_ref_logps` needs a DataModule with `train_rows` "
+                "(e.g. PreferenceDataModule)"
+            )
         start = time.perf_counter()
-        self.ref_cache = self.reference_logps_table(list(dm.train_rows) + list(getattr(dm, "val_rows", [])), getattr(dm, "batch_size", 8))
-        rank_zero_info(f"reference log-probs of {len(self.ref_cache)} pairs precomputed in {time.perf_counter() - start:.1f}s")
+        self.ref_cache = self.reference_logps_table(
+            list(dm.train_rows) + list(getattr(dm, "val_rows", [])), getattr(dm, "batch_size", 8)
+        )
+        rank_zero_info(
+            f"reference log-probs of {len(self.ref_cache)} pairs precomputed in "
+            f"{time.perf_counter() - start:.1f}s"
+        )
         if self.reference is not None and not self.reference.shares_weights:
             self.reference = None  # every pair is cached: free the copy
 
     @torch.no_grad()
-    def reference_logps_table(self, rows: list[dict[str, Any]], batch_size: int) -> dict[str, tuple[float, float]]:
-        """``{pair_key: (ref chosen logp, ref rejected logp)}`` for ``rows``, scored ``batch_size`` pairs at a time."""
+    def reference_logps_table(
+        self, rows: list[dict[str, Any]], batch_size: int
+    ) -> dict[str, tuple[float, float]]:
+        """``{pair_key: (ref chosen logp, ref rejected logp)}`` for ``rows``, scored ``batch_size``
+        pairs at a time.
+        """
         unique = {pair_key(r["prompt"], r["chosen"], r["rejected"]): r for r in rows}
         keys, table = list(unique), {}
         for start in range(0, len(keys), batch_size):
@@ -142,7 +156,9 @@ class DPO(PolicyModule):
         return enc.to(self.device)
 
     def _reference_forward(self, enc: EncodedPairs) -> torch.Tensor:
-        logp, _ = self.reference.token_logprobs(enc.prompt_ids, enc.prompt_mask, enc.completion_ids, enc.completion_mask)
+        logp, _ = self.reference.token_logprobs(
+            enc.prompt_ids, enc.prompt_mask, enc.completion_ids, enc.completion_mask
+        )
         return logp.sum(-1)
 
     def reference_logps(self, batch: dict[str, list], enc: EncodedPairs) -> torch.Tensor:
@@ -152,18 +168,26 @@ class DPO(PolicyModule):
         keys = [pair_key(*p) for p in zip(batch["prompt"], batch["chosen"], batch["rejected"], strict=True)]
         missing = [i for i, k in enumerate(keys) if k not in self.ref_cache]
         if missing:
-            raise KeyError(f"batch rows {missing} are not in the precomputed reference cache (`model.precompute_ref_logps`)")
+            raise KeyError(
+                f"batch rows {missing} are not in the precomputed reference cache "
+                "(`model.precompute_ref_logps`)"
+            )
         values = [self.ref_cache[k][0] for k in keys] + [self.ref_cache[k][1] for k in keys]
         return torch.tensor(values, dtype=torch.float32, device=self.device)
 
-    def pair_loss(self, batch: dict[str, list], enc: EncodedPairs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def pair_loss(
+        self, batch: dict[str, list], enc: EncodedPairs
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The objective of a batch and its metrics (``rewards/*``, ``logps/*``, ``nll`` with RPO)."""
-        logp, _ = self.policy.token_logprobs(enc.prompt_ids, enc.prompt_mask, enc.completion_ids, enc.completion_mask)
+        logp, _ = self.policy.token_logprobs(
+            enc.prompt_ids, enc.prompt_mask, enc.completion_ids, enc.completion_mask
+        )
         seq = logp.sum(-1)  # token_logprobs zeroes padding: only completion tokens count
         ref = self.reference_logps(batch, enc)
         n = len(batch["prompt"])
         loss, metrics = dpo_loss(
-            seq[:n], seq[n:], ref[:n], ref[n:], self.beta, loss_type=self.loss_type, label_smoothing=self.label_smoothing
+            seq[:n], seq[n:], ref[:n], ref[n:], self.beta,
+            loss_type=self.loss_type, label_smoothing=self.label_smoothing,
         )
         metrics["logps/chosen"] = seq[:n].detach().mean()
         metrics["logps/rejected"] = seq[n:].detach().mean()
@@ -180,7 +204,8 @@ class DPO(PolicyModule):
         n = len(batch["prompt"])
         self.log("train/loss", loss, batch_size=n, prog_bar=True)
         for name, value in metrics.items():
-            self.log("train/nll" if name == "nll" else name, value, batch_size=n, prog_bar=name == "rewards/accuracy")
+            self.log("train/nll" if name == "nll" else name, value, batch_size=n,
+                     prog_bar=name == "rewards/accuracy")
         self.log("data/prompt_truncated", float(enc.prompt_truncated), batch_size=n)
         self.log("data/completion_truncated", float(enc.completion_truncated), batch_size=n)
         return loss
@@ -198,7 +223,9 @@ class DPO(PolicyModule):
     def _greedy_accuracy(self, batch: dict[str, list], enc: EncodedPairs) -> None:
         """``val/accuracy``: greedy completions of the (truncated) prompts scored by ``accuracy_fn``."""
         n = len(batch["prompt"])
-        gen = self.policy.generate(enc.prompt_ids[:n], enc.prompt_mask[:n], max_new_tokens=self.max_new_tokens, do_sample=False)
+        gen = self.policy.generate(
+            enc.prompt_ids[:n], enc.prompt_mask[:n], max_new_tokens=self.max_new_tokens, do_sample=False
+        )
         completions = self.decode(gen.completion_ids, gen.completion_mask)
         columns = {k: v for k, v in batch.items() if k != "prompt"}
         scores = self.accuracy_fn(prompts=batch["prompt"], completions=completions, **columns)
@@ -212,7 +239,9 @@ class DPO(PolicyModule):
             rank_zero_info(f"step {self.global_step}: val/rewards/accuracy = {float(value):.3f}")
 
 
-def _validate(beta: float, loss_type: str, label_smoothing: float, rpo_alpha: float | None, max_completion_length: int) -> None:
+def _validate(
+    beta: float, loss_type: str, label_smoothing: float, rpo_alpha: float | None, max_completion_length: int
+) -> None:
     """Config errors naming the YAML key."""
     if not beta > 0:
         raise ValueError(f"`model.beta` must be > 0, got {beta}")
@@ -221,7 +250,9 @@ def _validate(beta: float, loss_type: str, label_smoothing: float, rpo_alpha: fl
     if not 0.0 <= label_smoothing < 0.5:
         raise ValueError(f"`model.label_smoothing` must be in [0, 0.5), got {label_smoothing}")
     if label_smoothing > 0 and loss_type not in ("sigmoid", "robust"):
-        raise ValueError(f"`model.label_smoothing` applies to loss_type sigmoid or robust only, not {loss_type!r}")
+        raise ValueError(
+            f"`model.label_smoothing` applies to loss_type sigmoid or robust only, not {loss_type!r}"
+        )
     if rpo_alpha is not None and not rpo_alpha >= 0:
         raise ValueError(f"`model.rpo_alpha` must be >= 0 or null, got {rpo_alpha}")
     if max_completion_length < 1:

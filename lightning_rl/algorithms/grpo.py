@@ -1,4 +1,6 @@
-"""GRPO (Shao et al., 2024, DeepSeekMath): group-relative advantages, token-level PPO clip, k3 KL in the loss."""
+"""GRPO (Shao et al., 2024, DeepSeekMath): group-relative advantages, token-level PPO clip,
+k3 KL in the loss.
+"""
 
 from __future__ import annotations
 
@@ -24,5 +26,5 @@ class GRPO(OnlineRL):
         kl_estimator: KLEstimator = "k3",
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, clip_low=clip_low, clip_high=clip_high, aggregation=aggregation, kl_coef=kl_coef,
-                         kl_estimator=kl_estimator, **kwargs)
+        super().__init__(*args, clip_low=clip_low, clip_high=clip_high, aggregation=aggregation,
+                         kl_coef=kl_coef, kl_estimator=kl_estimator, **kwargs)

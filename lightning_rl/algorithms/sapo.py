@@ -25,5 +25,5 @@ class SAPO(OnlineRL):
         kl_coef: float = 0.0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, trust_region=trust_region, tau_pos=tau_pos, tau_neg=tau_neg, aggregation=aggregation,
-                         kl_coef=kl_coef, **kwargs)
+        super().__init__(*args, trust_region=trust_region, tau_pos=tau_pos, tau_neg=tau_neg,
+                         aggregation=aggregation, kl_coef=kl_coef, **kwargs)
