@@ -53,11 +53,11 @@ from lightning_rl.preference_losses import DPO_LOSS_TYPES, DPOLossType, dpo_loss
 
 __all__ = [
     "AGGREGATIONS", "AGGREGATORS", "DPO_LOSS_TYPES", "DPOLossType", "KL_ESTIMATORS", "RATIO_LEVELS",
-    "TRUST_REGIONS", "Aggregation", "KLEstimator", "RatioLevel", "Surrogate", "TrustRegion", "aggregate", "broadcast_advantages",
-    "clipped_surrogate", "dapo_group_keep", "dapo_loss", "dpo_loss", "entropy_from_logits", "gae_advantages",
-    "group_advantages", "grpo_loss", "gspo_loss", "kl_penalty", "masked_mean", "normalizer_counts",
-    "overlong_penalty", "policy_loss", "ppo_policy_loss", "sapo_loss", "sequence_log_ratio",
-    "soft_gate_surrogate", "token_log_ratio", "value_loss",
+    "TRUST_REGIONS", "Aggregation", "KLEstimator", "RatioLevel", "Surrogate", "TrustRegion", "aggregate",
+    "broadcast_advantages", "clipped_surrogate", "dapo_group_keep", "dapo_loss", "dpo_loss",
+    "entropy_from_logits", "gae_advantages", "group_advantages", "grpo_loss", "gspo_loss", "kl_penalty",
+    "masked_mean", "normalizer_counts", "overlong_penalty", "policy_loss", "ppo_policy_loss", "sapo_loss",
+    "sequence_log_ratio", "soft_gate_surrogate", "token_log_ratio", "value_loss",
 ]
 
 Tensor = torch.Tensor
@@ -171,8 +171,9 @@ def soft_gate_surrogate(
     else tau_neg``.
 
     ``d f / d log r = w r`` with gate weight ``w = 4 sigmoid(tau (r-1)) (1 - sigmoid(tau (r-1)))``
-    (1 at r = 1, logged as ``gate_weight_mean``): the plain policy gradient on-policy, fading smoothly off-policy. The
-    log-ratio is clamped to [-20, 20] before ``exp`` so an extreme token cannot overflow (its gradient is 0).
+    (1 at r = 1, logged as ``gate_weight_mean``): the plain policy gradient on-policy, fading smoothly
+    off-policy. The log-ratio is clamped to [-20, 20] before ``exp`` so an extreme token cannot overflow
+    (its gradient is then 0).
     """
     check_range("tau_pos", tau_pos)
     check_range("tau_neg", tau_neg)
@@ -273,7 +274,8 @@ def ppo_policy_loss(
     ``r = exp(logp - old_logp)``; dual clip (``clip_ratio_c = c > 1``) caps the loss at ``-c A`` for A < 0.
 
     Args:
-        clip_eps: lower (and default upper) clip range, in (0, 1). clip_eps_high: upper range (None: clip_eps).
+        clip_eps: lower (and default upper) clip range, in (0, 1).
+        clip_eps_high: upper range (None: clip_eps).
         aggregation: one of :data:`AGGREGATIONS`. clip_ratio_c: dual-clip constant ``c > 1`` or None (off).
         num_tokens, num_seqs: whole-minibatch normalisers (see :func:`aggregate`).
 

@@ -271,7 +271,8 @@ class OnlineRL(PolicyModule):
             cb.on_rollout_end(self.trainer, self, rollout)
         if self.updates_per_rollout > 1 and rollout.old_logp is None and len(rollout):
             raise RuntimeError(
-                "ppo_epochs * num_minibatches > 1 needs behaviour log-probs: keep the OldPolicySnapshot callback"
+                "ppo_epochs * num_minibatches > 1 needs behaviour log-probs: "
+                "keep the OldPolicySnapshot callback"
             )
         rollout, excluded = exclude_nonfinite(rollout)
         step = self.trainer.fit_loop.total_batch_idx
