@@ -6,12 +6,13 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -107,14 +108,14 @@ class PolicyModule(L.LightningModule):
 
     # ---- checkpoints: RNG states travel with the weights, optimiser and data position -------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["rng_states"] = _rng_to_safe(_collect_rng_states())
+        checkpoint["rng_states"] = collect_rng_states()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._rng_states = checkpoint.get("rng_states")
 
     def on_train_start(self) -> None:
         if getattr(self, "_rng_states", None) is not None:  # after sanity validation, so it can't shift them
-            _set_rng_states(_rng_from_safe(self._rng_states))
+            restore_rng_states(self._rng_states)
             self._rng_states = None
 
     def configure_callbacks(self) -> list[L.Callback]:
@@ -170,24 +171,29 @@ class PolicyModule(L.LightningModule):
         self.policy.save_pretrained(path)
 
 
-def _rng_to_safe(states: dict[str, Any]) -> dict[str, Any]:
-    """RNG states in types that ``torch.load(weights_only=True)`` accepts (no numpy arrays)."""
-    out = dict(states)
-    if "numpy" in out:
-        kind, keys, pos, has_gauss, gauss = out["numpy"]
-        out["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss)]
-    out["python"] = [states["python"][0], list(states["python"][1]), states["python"][2]]
-    return out
+def collect_rng_states() -> dict[str, Any]:
+    """Python, NumPy, torch (and CUDA) RNG states, in types ``torch.load(weights_only=True)`` accepts."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    states = {
+        "torch": torch.get_rng_state(),
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["torch.cuda"] = torch.cuda.get_rng_state_all()
+    return states
 
 
-def _rng_from_safe(states: dict[str, Any]) -> dict[str, Any]:
-    out = dict(states)
-    if "numpy" in out:
-        kind, keys, pos, has_gauss, gauss = out["numpy"]
-        out["numpy"] = (kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss)
-    version, internal, gauss = out["python"]
-    out["python"] = (version, tuple(internal), gauss)
-    return out
+def restore_rng_states(states: dict[str, Any]) -> None:
+    """Set the RNG states saved by :func:`collect_rng_states`."""
+    torch.set_rng_state(states["torch"])
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = states["numpy"]
+    np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+    if "torch.cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["torch.cuda"])
 
 
 def has_callback(trainer: L.Trainer, kind: type) -> bool:
