@@ -65,16 +65,17 @@ class TokenScorer(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """Log-probs of the completion tokens, from one forward pass over prompt + completion.
 
-        Pass the ``temperature``, ``top_k`` and ``top_p`` that sampled the tokens: the scores are
-        those of the same tempered (and filtered, renormalised) distribution. With filtering, a
-        valid token can still score ``-inf`` if numerics drift it out of the kept set.
+        Pass the ``temperature`` that sampled the tokens. ``top_k`` / ``top_p`` score the filtered,
+        renormalised distribution exactly as ``generate`` sampled it; the RL step does not use them
+        (``OnlineRL`` scores current, behaviour and reference log-probs unfiltered), because under a
+        filter a token outside another model's kept set scores ``-inf``.
 
         Args:
             prompt_ids: ``[N, P]`` left-padded prompt tokens; ``prompt_mask`` 1 on real ones.
             completion_ids: ``[N, C]`` completion tokens; ``completion_mask`` 1 on real ones.
             temperature: sampling temperature (> 0).
-            top_k: top-k filtering used while sampling (0 = off).
-            top_p: top-p filtering used while sampling (1.0 = off).
+            top_k: top-k filter (0 = off).
+            top_p: top-p filter (1.0 = off).
             with_entropy: also return the entropy of each position's distribution.
 
         Returns:
