@@ -7,7 +7,7 @@ completion length (right-padded), ``V`` vocabulary size.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -199,9 +199,13 @@ class Policy(TokenScorer):
                 module.attention_dropout = 0.0  # Llama-style attention reads a float, not a module
 
     def encode_prompts(
-        self, prompts: list[str], max_prompt_length: int | None = None, *, add_special_tokens: bool = True
+        self,
+        prompts: list[str],
+        max_prompt_length: int | None = None,
+        *,
+        add_special_tokens: bool | Sequence[bool] = True,
     ) -> tuple[Tensor, Tensor]:
-        """Tokenise and left-pad prompts onto the model's device.
+        """Tokenise and left-pad prompts onto the model's device; ``add_special_tokens`` for all or per row.
 
         Returns:
             ``(prompt_ids, prompt_mask)``, both ``[len(prompts), P]`` long.
@@ -210,9 +214,9 @@ class Policy(TokenScorer):
             ValueError: naming the row, for an empty prompt or one longer than ``max_prompt_length``
                 tokens (prompts are never truncated silently).
         """
-        enc = self.tokenizer(
-            list(prompts), padding=True, return_tensors="pt", add_special_tokens=add_special_tokens
-        )
+        flags = [add_special_tokens] * len(prompts) if isinstance(add_special_tokens, bool) else add_special_tokens
+        rows = [self.tokenizer(p, add_special_tokens=f)["input_ids"] for p, f in zip(prompts, flags, strict=True)]
+        enc = self.tokenizer.pad({"input_ids": rows}, padding=True, return_tensors="pt")
         for row, length in enumerate(enc["attention_mask"].sum(-1).tolist()):
             if length == 0 or not prompts[row]:
                 raise ValueError(f"prompt {row} is empty")

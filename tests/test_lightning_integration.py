@@ -8,12 +8,11 @@ from functools import partial
 
 import pytest
 import torch
+from helpers import datamodule, make, make_trainer, read_csv_metrics
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_rl.algorithms import GRPO
 from lightning_rl.callbacks.base import RLCallback
-
-from helpers import datamodule, make, make_trainer, read_csv_metrics
 
 PROMPTS = ["50318=", "91234=", "77201=", "46650="]
 
@@ -107,7 +106,7 @@ def test_max_grad_norm_bounds_the_update(tmp_path, max_grad_norm):
     before = [p.detach().clone() for p in module.policy.parameters()]
     probe = NormProbe()
     make_trainer(tmp_path, max_steps=1, callbacks=[probe]).fit(module, datamodule())
-    step = math.sqrt(sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(module.policy.parameters(), before)))
+    step = math.sqrt(sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(module.policy.parameters(), before, strict=True)))
     if max_grad_norm is None:
         assert probe.norms == [] and step > 1e-2  # unclipped: the raw gradient
     else:
@@ -126,7 +125,7 @@ def test_grpo_runs_in_bf16_mixed_on_cpu(tmp_path):
     assert all(math.isfinite(v) for v in logged["policy/loss"] + logged["policy/kl_ref"]) and len(logged["policy/loss"]) == 2
     assert all(p.dtype == torch.float32 for p in module.policy.parameters())  # mixed: fp32 weights
     assert len(probe.norms) == 2 and all(0 < n < math.inf for n in probe.norms)
-    assert any(not torch.equal(p, b) for p, b in zip(module.policy.parameters(), before))
+    assert any(not torch.equal(p, b) for p, b in zip(module.policy.parameters(), before, strict=True))
 
 
 def test_gradient_checkpointing_gives_the_same_update(tmp_path):
@@ -138,7 +137,7 @@ def test_gradient_checkpointing_gives_the_same_update(tmp_path):
         assert (model.is_gradient_checkpointing if on is None else on) == checkpointing
         before = [p.detach().clone() for p in module.policy.parameters()]
         make_trainer(tmp_path, max_steps=1).fit(module, datamodule())
-        return [p.detach() - b for p, b in zip(module.policy.parameters(), before)]
+        return [p.detach() - b for p, b in zip(module.policy.parameters(), before, strict=True)]
 
     plain, checkpointed = one_step(False), one_step(True)
     assert sum(float(d.abs().sum()) for d in plain) > 1e-3

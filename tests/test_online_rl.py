@@ -172,11 +172,31 @@ def test_gradient_does_not_depend_on_micro_batch_size(tmp_path):
         assert out[(mode, "local")] > 1e-3, mode
 
 
-def test_micro_batches_run_on_a_single_device(tmp_path):
-    module = make(GRPO, kl_coef=0.0, micro_batch_size=2)
-    trainer = make_trainer(tmp_path, max_steps=1)
-    trainer.fit(module, datamodule())
-    assert trainer.global_step == 1
+def test_micro_batches_on_a_single_device_match_the_whole_batch_step(tmp_path):
+    """Through ``fit``: micro-batches of 2 rows take 8 forward passes per step, and the step they make is the
+    whole-batch step (same rollout, same SGD update)."""
+    runs = {}
+    for micro in (None, 2):
+        module = make(GRPO, kl_coef=0.0, micro_batch_size=micro, max_grad_norm=None,
+                      optimizer=partial(torch.optim.SGD, lr=1.0))
+        before, sizes, original = params(module), [], module.micro_loss
+
+        def counting(m, num_tokens, num_seqs, original=original, sizes=sizes):
+            sizes.append(len(m))
+            return original(m, num_tokens, num_seqs)
+
+        module.micro_loss = counting
+        cap = Capture()
+        trainer = make_trainer(tmp_path / str(micro), max_steps=1, callbacks=[cap])
+        trainer.fit(module, datamodule())
+        assert trainer.global_step == 1
+        step = {n: v - before[n] for n, v in params(module).items()}
+        runs[micro] = (sizes, cap.rollouts[0], step)
+    (whole_sizes, whole_rollout, whole_step), (micro_sizes, micro_rollout, micro_step) = runs[None], runs[2]
+    assert whole_sizes == [16] and micro_sizes == [2] * 8
+    assert torch.equal(whole_rollout.completion_ids, micro_rollout.completion_ids)
+    assert norm(whole_step) > 1e-2  # a real step (lr 1: the step is minus the gradient)
+    assert max_diff(whole_step, micro_step) < 1e-6
 
 
 # -------------------------------------------------------------------------------- b. old-policy snapshot
@@ -280,7 +300,14 @@ CLIP = ["policy/clip_frac_low", "policy/clip_frac_high"]
 def test_end_to_end(tmp_path, cls, kw, max_steps, rl_steps, extra, absent):
     module = make(cls, **kw)
     before = params(module)
-    cap = Capture()
+    cap, generated, original = Capture(), [], module.generate_and_score
+
+    def spy(batch):  # every generation round, with the RL step it belongs to
+        rollout, stats = original(batch)
+        generated.append((module.trainer.fit_loop.total_batch_idx, rollout))
+        return rollout, stats
+
+    module.generate_and_score = spy
     trainer = make_trainer(tmp_path, max_steps=max_steps, callbacks=[cap], logger=CSVLogger(str(tmp_path)),
                            limit_val_batches=1, val_check_interval=rl_steps, check_val_every_n_epoch=None,
                            log_every_n_steps=1)
@@ -296,32 +323,56 @@ def test_end_to_end(tmp_path, cls, kw, max_steps, rl_steps, extra, absent):
         assert name not in logged, name
     for name in ("policy/loss", "rollout/reward_mean", "perf/step_time"):
         assert len(logged[name]) == rl_steps, name  # once per RL step
-    assert len(logged["val/accuracy"]) == 1 and 0 <= logged["val/accuracy"][0] <= 1
-    assert all(1 <= v <= 8 for v in logged["rollout/response_length_mean"])
-    assert all(0 <= v <= 1 for k in ("rollout/truncated_frac", "rollout/zero_std_group_frac") for v in logged[k])
+    # validation ran once, after the last step, on the 16 held-out prompts: recompute it with the final policy
+    val = module.trainer.datamodule.val_rows
+    greedy, _ = module.greedy([r["prompt"] for r in val])
+    accuracy = sum(g.strip() == r["answer"] for g, r in zip(greedy, val, strict=True)) / len(val)
+    assert logged["val/accuracy"] == [pytest.approx(accuracy, abs=1e-6)]
+    assert logged["val/reward_mean"] == [pytest.approx(accuracy, abs=1e-6)]  # the reward is exact match too
     assert all(v > 0 for v in logged["perf/tokens_per_sec"] + logged["perf/generation_time"])
+    assert all(v > 0 for v in logged["policy/entropy"])
     # the logged rollout statistics are those of the rollouts trained on
-    for value, r in zip(logged["rollout/reward_mean"], cap.rollouts, strict=True):
-        assert value == pytest.approx(float(r.rewards.mean()), abs=1e-6)
+    for k, r in enumerate(cap.rollouts):
+        groups = r.rewards.view(-1, 4)
+        want = {"rollout/reward_mean": r.rewards.mean(), "rollout/reward_std": r.rewards.std(),
+                "rollout/response_length_mean": r.lengths.float().mean(),
+                "rollout/truncated_frac": r.truncated.float().mean(),
+                "rollout/zero_std_group_frac": (groups.std(-1) == 0).float().mean()}
+        for name, value in want.items():
+            assert logged[name][k] == pytest.approx(float(value), abs=1e-6), (name, k)
+        # a gradient exactly when some advantage is non-zero (or a KL term pulls, after the first step)
+        if (r.advantages != 0).any():
+            assert logged["policy/grad_norm"][k] > 1e-4, k
+        elif module._reference is None:
+            assert logged["policy/grad_norm"][k] == 0, k
     if cls is GRPO:  # one update per rollout: the ratio is exactly 1, nothing clips, KL(old || new) is 0
         assert logged["policy/ratio_mean"] == [1.0] * 3 and logged["policy/approx_kl"] == [0.0] * 3
         assert logged["policy/clip_frac_low"] == [0.0] * 3 and logged["policy/clip_frac_high"] == [0.0] * 3
         assert logged["policy/kl_ref"][0] == pytest.approx(0.0, abs=1e-7)  # step 0: policy == reference
         assert max(logged["policy/kl_ref"]) > 0
+        # step 0: r = 1 and KL 0, so the loss is -mean_i A_i; z-scored advantages sum to 0 in every group
+        assert logged["policy/loss"][0] == pytest.approx(0.0, abs=1e-6)
         # the reference is the starting policy, frozen, and not part of the checkpointed state
         ref = dict(module._reference.named_parameters())
         assert ref.keys() == before.keys() and all(torch.equal(ref[n], v) for n, v in before.items())
         assert not any("_reference" in k for k in module.state_dict())
     else:
         assert module._reference is None  # no KL term: no reference model
+    if cls is GSPO:  # the second minibatch of each rollout is off-policy: the step's mean KL is above 0
+        assert all(v > 1e-6 for v in logged["policy/approx_kl"]), logged["policy/approx_kl"]
     if cls is DAPO:
-        assert all(1 <= v <= 3 for v in logged["rollout/gen_batches"])
-        assert all(0 <= v <= 1 for v in logged["rollout/filtered_group_frac"])
-        for r in cap.rollouts:  # trained only on groups of mixed correctness, at most the target count
+        for k, r in enumerate(cap.rollouts):  # only groups of mixed correctness, at most the target count
             assert len(r) <= 16 and len(r) % 4 == 0
             assert bool(dapo_group_keep(r.correct, 4).all())
-    if cls is SAPO:
-        assert all(0 < v <= 1 for v in logged["policy/gate_weight_mean"])
+            # the filter's statistics, recounted from every generation round of the step
+            rounds = [g for step, g in generated if step == k]
+            mixed = sum(int(dapo_group_keep(g.correct, 4).sum()) for g in rounds)
+            assert logged["rollout/gen_batches"][k] == len(rounds) and 1 <= len(rounds) <= 3
+            dropped = 1 - mixed / (4 * len(rounds))
+            assert logged["rollout/filtered_group_frac"][k] == pytest.approx(dropped, abs=1e-6)
+            assert len(r) == 4 * min(mixed, 4)
+    if cls is SAPO:  # on-policy the gate weight is 4 sigmoid(0) (1 - sigmoid(0)) = 1 exactly
+        assert logged["policy/gate_weight_mean"] == [pytest.approx(1.0, abs=1e-6)] * 3
 
 
 # ------------------------------------------------------------------------------------ d. group filter

@@ -98,7 +98,14 @@ class PolicyModule(L.LightningModule):
                 chunk = [r["prompt"] for r in rows[start : start + 1024]]
                 texts = render_prompts(self.tokenizer, chunk, self.chat_template)
                 special = self.add_special_tokens(chunk)  # count exactly what encode_prompts will feed
-                lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=special)["input_ids"]]
+                lengths = [0] * len(texts)
+                for flag in (True, False):  # one batched call per setting
+                    rows = [i for i, f in enumerate(special) if f == flag]
+                    if not rows:
+                        continue
+                    encoded = self.tokenizer([texts[i] for i in rows], add_special_tokens=flag)["input_ids"]
+                    for i, ids in zip(rows, encoded, strict=True):
+                        lengths[i] = len(ids)
                 for i, n in enumerate(lengths):
                     if n > self.max_prompt_length:
                         raise ValueError(
@@ -132,9 +139,10 @@ class PolicyModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ---- prompts and validation ----------------------------------------------------------------
-    def add_special_tokens(self, prompts: Sequence[Any]) -> bool:
-        """Chat templates already hold BOS and friends; plain prompts get the tokenizer's specials."""
-        return not self.chat_template and all(isinstance(p, str) for p in prompts)
+    def add_special_tokens(self, prompts: Sequence[Any]) -> list[bool]:
+        """Per prompt: chat templates already hold BOS and friends; plain prompts get the tokenizer's
+        specials (decided row by row, so a row's tokens never depend on the rest of its batch)."""
+        return [not self.chat_template and isinstance(p, str) for p in prompts]
 
     def encode_prompts(self, prompts: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         texts = render_prompts(self.tokenizer, prompts, self.chat_template)
@@ -153,10 +161,14 @@ class PolicyModule(L.LightningModule):
 
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
         completions, lengths = self.greedy(batch["prompt"])
-        scores = self.accuracy_fn(prompts=batch["prompt"], completions=completions, **batch_columns(batch))
+        scores = self.correct(batch["prompt"], completions, batch_columns(batch))
         acc = torch.tensor([float(s) for s in scores], device=self.device)
         self.log("val/accuracy", acc.mean(), batch_size=len(completions), sync_dist=True, prog_bar=True)
         self.validation_extra(batch, completions, lengths)
+
+    def correct(self, prompts: Sequence[Any], completions: list[str], columns: dict[str, list]) -> list[Any]:
+        """Per-completion correctness, whose mean is ``val/accuracy``: ``accuracy_fn`` here."""
+        return self.accuracy_fn(prompts=prompts, completions=completions, **columns)
 
     def validation_extra(self, batch: dict[str, list], completions: list[str], lengths: list[int]) -> None:
         """Hook for subclasses to log more validation metrics from the same greedy completions."""

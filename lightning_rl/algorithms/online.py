@@ -52,8 +52,8 @@ class OnlineRL(PolicyModule):
             without the top-k / top-p filter (see the module docstring).
         reward_fns: reward functions by import path, ``package.module:function``.
         reward_weights: one weight per reward function (default 1 each).
-        correctness_fn: ``module:function`` deciding correctness (dynamic sampling, ``val/accuracy``);
-            ``None`` uses ``accuracy_fn``.
+        correctness_fn: ``module:function`` deciding correctness: ``rollout.correct`` (DAPO's group
+            filter, ``rollout/correct_frac``) and ``val/accuracy``; ``None`` uses ``accuracy_fn``.
         on_reward_error: ``raise`` stops on a reward function error or NaN; ``zero`` scores it 0 and
             counts it in ``rollout/reward_errors``.
         scale_advantages: divide group-centred rewards by the group std (``False``: Dr. GRPO).
@@ -205,7 +205,7 @@ class OnlineRL(PolicyModule):
         if self.overlong_buffer is not None:
             penalty = overlong_reward(lengths, self.max_new_tokens, self.overlong_buffer)
             rewards = rewards + self.overlong_penalty_factor * torch.tensor(penalty, device=self.device)
-        correct = self.correctness_fn(prompts=prompts, completions=texts, **columns)
+        correct = self.correct(prompts, texts, columns)
         completion_mask = gen.completion_mask
         if self.mask_truncated:
             completion_mask = completion_mask * (~gen.truncated).long()[:, None]
@@ -355,6 +355,10 @@ class OnlineRL(PolicyModule):
                                        micro.completion_mask, num_tokens=num_tokens, num_seqs=num_seqs)
         metrics["policy/entropy"] = masked_mean(entropy.detach(), micro.completion_mask.bool())
         return loss, metrics
+
+    def correct(self, prompts: list[Any], completions: list[str], columns: dict[str, list]) -> list[Any]:
+        """Per-completion correctness by ``correctness_fn``: rollouts and ``val/accuracy`` alike."""
+        return self.correctness_fn(prompts=prompts, completions=completions, **columns)
 
     # ---- validation -----------------------------------------------------------------------------
     def validation_extra(self, batch: dict[str, list], completions: list[str], lengths: list[int]) -> None:

@@ -1,0 +1,330 @@
+"""Behaviour of the online RL step (lightning_rl.algorithms.online.OnlineRL) on the embedded tiny model,
+checked against numbers recomputed from what the step saw: several updates per rollout (old log-probs
+recorded once, the ratio and clip fractions off-policy), the LR scheduler's cadence, Dr. GRPO advantages,
+chat-template prompts, and the correctness function behind DAPO's group filter."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from functools import partial
+
+import lightning as L
+import pytest
+import torch
+from helpers import datamodule, make, make_trainer, read_csv_metrics
+from lightning.pytorch.loggers import CSVLogger
+from transformers import AutoTokenizer
+
+from lightning_rl.algorithms import DAPO, GRPO
+from lightning_rl.callbacks import OldPolicySnapshot
+from lightning_rl.callbacks.base import RLCallback
+from lightning_rl.data import PromptDataModule
+from lightning_rl.losses import dapo_group_keep
+from lightning_rl.rewards import exact_match
+from lightning_rl.rollout import Rollout
+
+HERE = __name__  # functions below are named by import path, as in YAML
+
+
+class Capture(RLCallback):
+    """Keep every final rollout of a step (the object the update uses)."""
+
+    def __init__(self):
+        self.rollouts: list[Rollout] = []
+
+    def on_rollout_end(self, trainer, pl_module, rollout):
+        self.rollouts.append(rollout)
+
+
+def params(module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.policy.named_parameters()}
+
+
+def texts(module, rows: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    """Each row's tokens where ``mask`` is 1, decoded with special tokens kept."""
+    return [module.tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=False)
+            for r, m in zip(rows, mask, strict=True)]
+
+
+def spy_generations(module) -> list[tuple[dict, Rollout]]:
+    """Record every (prompt batch, scored rollout) that ``generate_and_score`` produces, before any filter."""
+    seen, original = [], module.generate_and_score
+
+    def spy(batch):
+        rollout, stats = original(batch)
+        seen.append((batch, rollout))
+        return rollout, stats
+
+    module.generate_and_score = spy
+    return seen
+
+
+# ----------------------------------------------------------------------- a. several updates per rollout
+class UpdateCheck(RLCallback):
+    """At each rollout keep a frozen copy of the behaviour policy; at each micro-batch (after backward,
+    before the optimiser step) recompute the loss metrics from the live policy and that copy."""
+
+    def __init__(self, module, clip):
+        self.clip, self.updates, self.rollouts = clip, [], []
+        original = module.micro_loss
+
+        def micro_loss(micro, num_tokens, num_seqs):
+            loss, metrics = original(micro, num_tokens, num_seqs)
+            self.updates.append((len(self.rollouts) - 1, micro, self.expected(module, micro), metrics))
+            return loss, metrics
+
+        module.micro_loss = micro_loss
+
+    def on_rollout_end(self, trainer, pl_module, rollout):
+        self.behaviour = copy.deepcopy(pl_module.policy)
+        # recorded from the policy as it is now, before any update of this rollout
+        self.rollouts.append((rollout, torch.equal(rollout.old_logp, pl_module.logprobs(rollout))))
+
+    def expected(self, module, micro):
+        mask = micro.completion_mask.bool()
+        behaviour = module.logprobs(micro, self.behaviour)
+        r = torch.exp(module.logprobs(micro) - behaviour)[mask]
+        adv = micro.advantages[:, None].expand_as(mask)[mask]
+        rows = mask.any(-1)
+        return {"old_logp_diff": float((micro.old_logp - behaviour)[mask].abs().max()),
+                # seq-mean-token-mean of -r A where r = 1: minus the mean advantage of the non-empty rows
+                "on_policy_loss": -float(micro.advantages[rows].mean()),
+                "policy/ratio_mean": float(r.mean()),
+                "policy/approx_kl": float((r - 1 - r.log()).mean()),
+                "policy/clip_frac_low": float(((r < 1 - self.clip) & (adv < 0)).float().mean()),
+                "policy/clip_frac_high": float(((r > 1 + self.clip) & (adv > 0)).float().mean())}
+
+
+class OptimizerSteps(L.Callback):
+    """The learning rate seen by every optimiser step."""
+
+    def __init__(self):
+        self.lrs = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+
+def test_ppo_epochs_and_minibatches_reuse_one_behaviour_snapshot(tmp_path):
+    clip = 0.01
+    module = make(GRPO, ppo_epochs=2, num_minibatches=2, kl_coef=0.0, clip_low=clip, clip_high=clip,
+                  optimizer=partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.0))
+    snap, check, steps = OldPolicySnapshot(), UpdateCheck(module, clip), OptimizerSteps()
+    trainer = make_trainer(tmp_path, max_steps=8, callbacks=[snap, check, steps])
+    trainer.fit(module, datamodule())
+    # 2 rollouts x 2 epochs x 2 minibatches = 8 optimiser steps; behaviour log-probs computed once per rollout
+    assert trainer.global_step == 8 and len(steps.lrs) == 8
+    assert len(check.rollouts) == 2 and snap.forward_passes == 2
+    for rollout, recorded_before_update in check.rollouts:
+        assert rollout.old_logp is not None and rollout.old_logp.shape == rollout.completion_mask.shape
+        assert recorded_before_update
+    assert [i for i, *_ in check.updates] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [len(micro) for _, micro, *_ in check.updates] == [8] * 8  # 16 samples split in two, twice
+    for k, (_, _, want, got) in enumerate(check.updates):
+        # every update compares against the snapshot taken at rollout time, never a fresher one
+        assert want["old_logp_diff"] == 0, k
+        for name in ("policy/ratio_mean", "policy/approx_kl", "policy/clip_frac_low",
+                     "policy/clip_frac_high"):
+            assert float(got[name]) == pytest.approx(want[name], abs=1e-5), (k, name)
+    for rollout_index in (0, 1):
+        (want, first), *rest = [(w, got) for i, _, w, got in check.updates if i == rollout_index]
+        later = [got for _, got in rest]
+        # before a rollout's first optimiser step the policy is the behaviour policy: ratio 1, no clipping
+        assert float(first["policy/ratio_mean"]) == pytest.approx(1.0, abs=1e-6)
+        assert float(first["policy/loss"]) == pytest.approx(want["on_policy_loss"], abs=1e-6)
+        assert float(first["policy/approx_kl"]) < 1e-9
+        assert float(first["policy/clip_frac_low"]) == 0 and float(first["policy/clip_frac_high"]) == 0
+        # after it the ratio has moved off 1 at every later update, and the narrow clip bites somewhere
+        assert all(float(m["policy/approx_kl"]) > 1e-4 for m in later), later
+        assert max(float(m["policy/clip_frac_low"]) + float(m["policy/clip_frac_high"]) for m in later) > 0.05
+
+
+def test_lr_scheduler_steps_once_per_optimiser_step(tmp_path):
+    lr0 = 1e-3
+    module = make(GRPO, ppo_epochs=2, num_minibatches=2, micro_batch_size=4, kl_coef=0.0,
+                  optimizer=partial(torch.optim.AdamW, lr=lr0, weight_decay=0.0),
+                  lr_scheduler=partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5))
+    steps, cap = OptimizerSteps(), Capture()
+    trainer = make_trainer(tmp_path, max_steps=8, callbacks=[steps, cap])
+    trainer.fit(module, datamodule())
+    # 2 RL steps x 2 epochs x 2 minibatches (each accumulated over 2 micro-batches) = 8 optimiser steps,
+    # and the scheduler halved the rate after each one: not per micro-batch, not per RL step
+    assert len(cap.rollouts) == 2 and trainer.global_step == 8
+    assert steps.lrs == [lr0 * 0.5**k for k in range(8)]
+    assert trainer.optimizers[0].param_groups[0]["lr"] == lr0 * 0.5**8
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 8
+
+
+# ---------------------------------------------------------------------------- c. advantage scaling
+def length_reward(completions, **_):
+    return [float(len(c)) for c in completions]
+
+
+@pytest.mark.parametrize("scale", [True, False])
+def test_scale_advantages_inside_the_module(tmp_path, scale):
+    # rewards: exact match + 0.1 x completion length, so groups have many different spreads
+    module = make(GRPO, kl_coef=0.0, scale_advantages=scale, reward_weights=[1.0, 0.1],
+                  reward_fns=["lightning_rl.rewards:exact_match", f"{HERE}:length_reward"])
+    cap = Capture()
+    make_trainer(tmp_path, max_steps=1, callbacks=[cap]).fit(module, datamodule())
+    (rollout,) = cap.rollouts
+    rewards = rollout.rewards.view(4, 4)  # 4 prompts x G = 4, consecutive groups
+    centred = rewards - rewards.mean(-1, keepdim=True)
+    std = rewards.std(-1, keepdim=True)  # Bessel-corrected, like torch.std
+    assert (std > 0).sum() >= 2 and ((std - 1).abs() > 0.1).sum() >= 2  # dividing by it makes a difference
+    expected = centred / (std + 1e-8) if scale else centred  # z-scores, or Dr. GRPO's r - mean
+    torch.testing.assert_close(rollout.advantages, expected.flatten(), atol=1e-6, rtol=1e-6)
+    group_std = rollout.advantages.view(4, 4).std(-1)
+    if scale:
+        spread = std.flatten() > 0
+        torch.testing.assert_close(group_std[spread], torch.ones(int(spread.sum())), atol=1e-5, rtol=0)
+    else:
+        torch.testing.assert_close(group_std, std.flatten(), atol=1e-6, rtol=0)
+
+
+# -------------------------------------------------------------------------------- d. chat templates
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def templated_model(tmp_path):
+    """The embedded model with a chat template in its tokenizer folder, and a tokenizer that adds <bos> to
+    every plain encoding (as Llama's does): a template that holds BOS itself must not get a second one."""
+    from lightning_rl.models import EMBEDDED_MODEL
+
+    folder = tmp_path / "chat_model"
+    shutil.copytree(EMBEDDED_MODEL, folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    bos = [{"SpecialToken": {"id": "<bos>", "type_id": 0}}]
+    spec["post_processor"] = {
+        "type": "TemplateProcessing", "single": [*bos, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [*bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<bos>": {"id": "<bos>", "ids": [1], "tokens": ["<bos>"]}},
+    }
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def test_chat_template_renders_strings_and_messages(tmp_path):
+    module = make(model=templated_model(tmp_path), chat_template=True, max_prompt_length=40)
+    messages = [{"role": "system", "content": "sort"}, {"role": "user", "content": "321="}]
+    ids, mask = module.encode_prompts(["12345=", messages])
+    assert texts(module, ids, mask) == ["<bos><user>12345=<assistant>",
+                                        "<bos><system>sort<user>321=<assistant>"]
+    # one token per character after a single BOS (the template's, not doubled by the tokenizer's), left-padded
+    assert mask.sum(-1).tolist() == [1 + 6 + 6 + 11, 1 + 8 + 4 + 6 + 4 + 11]
+    assert mask[0].tolist() == [0] * 10 + [1] * 24
+    assert ids[1, 0] == module.tokenizer.bos_token_id and (ids[1] == module.tokenizer.bos_token_id).sum() == 1
+    # option off: a plain string is encoded as is (with the tokenizer's BOS); messages are still rendered
+    module.chat_template = False
+    ids, mask = module.encode_prompts(["12345="])
+    assert texts(module, ids, mask) == ["<bos>12345="]
+    ids, mask = module.encode_prompts([messages])
+    assert texts(module, ids, mask) == ["<bos><system>sort<user>321=<assistant>"]
+    # decided row by row: a plain string keeps its BOS in a batch that also holds messages
+    ids, mask = module.encode_prompts(["12345=", messages])
+    assert texts(module, ids, mask) == ["<bos>12345=", "<bos><system>sort<user>321=<assistant>"]
+
+
+def test_rollout_prompts_are_rendered_with_the_chat_template(tmp_path):
+    rows = [{"prompt": [{"role": "system", "content": "sort"}, {"role": "user", "content": f"{d}="}],
+             "answer": "".join(sorted(d))} for d in ("50318", "77120", "90909", "31415", "27182", "11235")]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    module = make(model=templated_model(tmp_path), chat_template=True, max_prompt_length=40, kl_coef=0.0)
+    seen, cap = spy_generations(module), Capture()
+    dm = PromptDataModule(path=str(path), batch_size=2)
+    make_trainer(tmp_path, max_steps=1, callbacks=[cap]).fit(module, dm)
+    ((batch, _),) = seen
+    (rollout,) = cap.rollouts
+    want = [f"<bos><system>sort<user>{p[1]['content']}<assistant>" for p in batch["prompt"] for _ in range(4)]
+    assert texts(module, rollout.prompt_ids, rollout.prompt_mask) == want
+
+
+def test_chat_template_without_template_names_the_key(tmp_path):
+    module = make(chat_template=True)  # the embedded tokenizer has no chat template
+    with pytest.raises(ValueError, match="model.chat_template"):
+        module.encode_prompts(["12345="])
+    module.chat_template = False
+    with pytest.raises(ValueError, match="model.chat_template"):  # messages always need a template
+        module.encode_prompts([[{"role": "user", "content": "12345="}]])
+    module.chat_template = True
+    trainer = make_trainer(tmp_path, max_steps=1)
+    with pytest.raises(ValueError, match="model.chat_template"):  # before any generation or step
+        trainer.fit(module, datamodule())
+    assert trainer.global_step == 0
+
+
+def test_prompt_length_limit_counts_rendered_tokens(tmp_path):
+    # "12345=" is 6 tokens, "<bos><user>12345=<assistant>" 1 + 6 + 6 + 11 = 24 > 20: fails before training
+    module = make(model=templated_model(tmp_path), chat_template=True, max_prompt_length=20)
+    trainer = make_trainer(tmp_path, max_steps=1)
+    message = r"train row 0: prompt is 24 tokens, longer than `model.max_prompt_length`=20"
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(module, datamodule())
+    assert trainer.global_step == 0
+
+
+# ----------------------------------------------------------------------- e. the correctness function
+def odd_length(completions, **_):
+    """'Correct' where the completion has an odd number of characters: mixed within most groups."""
+    return [len(c) % 2 == 1 for c in completions]
+
+
+def prompt_starts_low(prompts, **_):
+    """Depends on the prompt only, so every group is all-correct or all-wrong."""
+    return [float(p[0] < "5") for p in prompts]
+
+
+def test_correctness_fn_decides_rollout_correct_and_the_groups_dapo_keeps(tmp_path):
+    module = make(DAPO, correctness_fn=f"{HERE}:odd_length", overlong_buffer=None, max_gen_batches=3)
+    seen, cap = spy_generations(module), Capture()
+    make_trainer(tmp_path, max_steps=1, callbacks=[cap]).fit(module, datamodule())
+    (rollout,) = cap.rollouts
+    kept = []
+    for batch, generated in seen:
+        completions = module.decode(generated.completion_ids, generated.completion_mask)
+        answers = [a for a in batch["answer"] for _ in range(4)]
+        # correctness comes from correctness_fn; the reward is still the configured reward function
+        assert generated.correct.tolist() == odd_length(completions)
+        assert generated.rewards.tolist() == exact_match(completions, answers)
+        keep = dapo_group_keep(generated.correct, 4).repeat_interleave(4)
+        kept += list(zip(generated.lengths[keep].tolist(), generated.correct[keep].tolist(),
+                         generated.rewards[keep].tolist(), strict=True))
+    # the trained rollout is exactly the groups mixed under correctness_fn, in order, up to 4 groups
+    assert len(rollout) == min(len(kept), 16) and len(rollout) > 0
+    trained = zip(rollout.lengths.tolist(), rollout.correct.tolist(), rollout.rewards.tolist(), strict=True)
+    assert list(trained) == kept[:16]
+    assert bool(dapo_group_keep(rollout.correct, 4).all())
+    # and not the groups exact_match would have kept: some kept group has one reward throughout
+    assert (rollout.rewards.view(-1, 4).std(-1) == 0).any()
+
+
+def test_correctness_fn_uniform_per_prompt_drops_every_group(tmp_path):
+    module = make(DAPO, correctness_fn=f"{HERE}:prompt_starts_low", max_gen_batches=2)
+    cap, before = Capture(), params(module)
+    trainer = make_trainer(tmp_path, max_steps=1, callbacks=[cap], logger=CSVLogger(str(tmp_path)),
+                           log_every_n_steps=1)
+    trainer.fit(module, datamodule())
+    logged = read_csv_metrics(tmp_path)
+    # with exact_match deciding, mixed groups are common (test above); here none can be mixed
+    assert logged["rollout/filtered_group_frac"] == [1.0] and logged["rollout/gen_batches"] == [2.0]
+    assert len(cap.rollouts[0]) == 0
+    after = params(module)  # nothing to learn from: the optimiser step left the policy as it was
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+@pytest.mark.parametrize("key", ["accuracy_fn", "correctness_fn"])
+def test_val_accuracy_is_the_mean_of_the_correctness_function(tmp_path, key):
+    # correctness_fn decides val/accuracy as it decides rollout.correct; without it, accuracy_fn does
+    module = make(GRPO, **{key: f"{HERE}:prompt_starts_low"})
+    dm = datamodule(max_val_rows=64, val_batch_size=16)
+    (result,) = make_trainer(tmp_path, limit_val_batches=1.0).validate(module, dm, verbose=False)
+    expected = sum(r["prompt"][0] < "5" for r in dm.val_rows) / len(dm.val_rows)
+    assert 0.2 < expected < 0.8  # a mix: the test tells a mean from a constant
+    assert result["val/accuracy"] == pytest.approx(expected, abs=1e-6)
