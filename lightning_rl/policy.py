@@ -214,7 +214,9 @@ class Policy(TokenScorer):
             ValueError: naming the row, for an empty prompt or one longer than ``max_prompt_length``
                 tokens (prompts are never truncated silently).
         """
-        flags = [add_special_tokens] * len(prompts) if isinstance(add_special_tokens, bool) else add_special_tokens
+        flags = add_special_tokens
+        if isinstance(flags, bool):
+            flags = [flags] * len(prompts)
         rows = [self.tokenizer(p, add_special_tokens=f)["input_ids"] for p, f in zip(prompts, flags, strict=True)]
         enc = self.tokenizer.pad({"input_ids": rows}, padding=True, return_tensors="pt")
         for row, length in enumerate(enc["attention_mask"].sum(-1).tolist()):

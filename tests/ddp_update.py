@@ -61,8 +61,9 @@ def main() -> None:
                    micro_batch_size=None if micro == "none" else int(micro),
                    clip_low=0.2, clip_high=0.28, kl_coef=0.1, max_grad_norm=None,
                    optimizer=partial(torch.optim.SGD, lr=0.0))
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_steps=1,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",
+                        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False,
                         limit_val_batches=0, num_sanity_val_steps=0,
                         default_root_dir=os.path.dirname(out))
     trainer.fit(module, PromptDataModule(batch_size=2))

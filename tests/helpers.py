@@ -44,8 +44,9 @@ def make(cls=GRPO, **kw):
 
 def make_trainer(tmp_path, max_steps=1, callbacks=(), logger=False, limit_val_batches=0, **kw):
     """A quiet single-process CPU trainer (no checkpoints, no validation unless asked)."""
-    return L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=logger, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    return L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=logger,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     num_sanity_val_steps=0,
                      limit_val_batches=limit_val_batches, callbacks=list(callbacks),
                      default_root_dir=str(tmp_path), **kw)
 

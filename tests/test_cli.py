@@ -1,4 +1,5 @@
-"""The `lightning-rl` CLI: every YAML in configs/ through the real parser, errors that name keys, SFT end to end."""
+"""The `lightning-rl` CLI: every YAML in configs/ through the real parser, errors that name keys,
+SFT end to end."""
 
 from __future__ import annotations
 
@@ -54,14 +55,16 @@ def test_print_config(capsys):
 
 def test_omegaconf_interpolation(tmp_path):
     overlay = tmp_path / "interp.yaml"
-    overlay.write_text("model:\n  init_args:\n    max_new_tokens: 9\n    max_prompt_length: ${model.init_args.max_new_tokens}\n")
+    overlay.write_text("model:\n  init_args:\n    max_new_tokens: 9\n"
+                       "    max_prompt_length: ${model.init_args.max_new_tokens}\n")
     cli = LightningRLCLI(args=["--config", str(CONFIGS / "grpo.yaml"), "--config", str(overlay),
                                "--trainer.logger.init_args.save_dir", str(tmp_path)], run=False)
     assert cli.model.max_prompt_length == 9
 
 
 def test_sft_regenerates_the_embedded_model(tmp_path):
-    """configs/sft.yaml from scratch reaches >= 0.3 held-out greedy accuracy; the export loads in transformers."""
+    """configs/sft.yaml from scratch reaches >= 0.3 held-out greedy accuracy; the export loads in
+    transformers."""
     run_cli("fit", "--config", CONFIGS / "sft.yaml", "--trainer.logger.init_args.save_dir", tmp_path,
             "--trainer.enable_progress_bar", "false")
     (run_dir,) = (tmp_path / "lightning-rl").glob("version_*")
@@ -86,7 +89,8 @@ def test_embedded_model_is_shipped():
 
 def test_grpo_config_learns(tmp_path):
     """The demo config, cut to 50 steps, lifts held-out greedy accuracy well above the warm start (0.562)."""
-    run_cli("fit", "--config", CONFIGS / "grpo.yaml", "--trainer.max_steps", "50", "--trainer.val_check_interval", "50",
+    run_cli("fit", "--config", CONFIGS / "grpo.yaml", "--trainer.max_steps", "50",
+            "--trainer.val_check_interval", "50",
             "--trainer.logger.init_args.save_dir", tmp_path, "--trainer.enable_progress_bar", "false")
     (run_dir,) = (tmp_path / "lightning-rl").glob("version_*")
     logged = scalars(run_dir)

@@ -16,8 +16,8 @@ SCRIPT = Path(__file__).with_name("ddp_update.py")
 def _run(out: Path, devices: int, micro: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # hard timeout: a hung gloo rank ignores SIGTERM, so run in its own session and kill the group
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(out), str(devices), micro], cwd=out.parent, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(out), str(devices), micro], cwd=out.parent,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         log, _ = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
@@ -29,7 +29,8 @@ def _run(out: Path, devices: int, micro: str) -> dict:
 
 def test_gradient_does_not_depend_on_world_size(tmp_path):
     single = _run(tmp_path / "single.pt", 1, "none")
-    ddp = _run(tmp_path / "ddp.pt", 2, "3")  # rank 0 and 1 hold different token counts; 3 rows per micro-batch
+    # rank 0 and 1 hold different token counts; 3 rows per micro-batch
+    ddp = _run(tmp_path / "ddp.pt", 2, "3")
     for mode, grads in single.items():
         scale = max(g.abs().max().item() for g in grads.values())
         diff = max((grads[n] - ddp[mode][n]).abs().max().item() for n in grads)

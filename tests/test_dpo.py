@@ -25,7 +25,8 @@ PAIRS = [
     {"prompt": "21=", "chosen": "12", "rejected": "2"},
     {"prompt": "7737=", "chosen": "3777", "rejected": "3771"},
 ]
-METRICS = ["rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin", "logps/chosen", "logps/rejected"]
+METRICS = ["rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin", "logps/chosen",
+           "logps/rejected"]
 
 
 @pytest.fixture(autouse=True)
@@ -76,7 +77,8 @@ def hand_loss(h: torch.Tensor, beta: float, loss_type: str, ls: float) -> torch.
 # ---- the loss on a real batch ------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "loss_type, ls, rpo_alpha",
-    [("sigmoid", 0.0, None), ("sigmoid", 0.1, None), ("robust", 0.2, None), ("ipo", 0.0, None), ("hinge", 0.0, 0.5), ("sigmoid", 0.0, 1.0)],
+    [("sigmoid", 0.0, None), ("sigmoid", 0.1, None), ("robust", 0.2, None), ("ipo", 0.0, None),
+     ("hinge", 0.0, 0.5), ("sigmoid", 0.0, 1.0)],
 )
 def test_loss_matches_hand_computation(loss_type, ls, rpo_alpha):
     beta = 0.3
@@ -88,9 +90,11 @@ def test_loss_matches_hand_computation(loss_type, ls, rpo_alpha):
     loss, metrics = dpo.pair_loss(batch, dpo.encode(batch))
 
     tok, model = dpo.tokenizer, dpo.policy.model
-    per_token = {side: [logps_by_hand(model, tok, r["prompt"], r[side]) for r in PAIRS] for side in ("chosen", "rejected")}
+    per_token = {side: [logps_by_hand(model, tok, r["prompt"], r[side]) for r in PAIRS]
+                 for side in ("chosen", "rejected")}
     c, r = (torch.stack([t.sum() for t in per_token[s]]) for s in ("chosen", "rejected"))
-    rc, rr = (torch.stack([logps_by_hand(reference, tok, p["prompt"], p[s]).sum() for p in PAIRS]) for s in ("chosen", "rejected"))
+    rc, rr = (torch.stack([logps_by_hand(reference, tok, p["prompt"], p[s]).sum() for p in PAIRS])
+              for s in ("chosen", "rejected"))
     expected = hand_loss((c - rc) - (r - rr), beta, loss_type, ls)
     if rpo_alpha is not None:
         chosen_tokens = torch.cat(per_token["chosen"])
@@ -143,7 +147,8 @@ def test_reference_is_moved_but_never_saved():
     perturb_state = {k: v + 1.0 for k, v in state.items()}
     dpo.load_state_dict(perturb_state, strict=True)
     assert all(torch.equal(v, ref_weights[k]) for k, v in dpo.reference.state_dict().items())
-    assert not torch.equal(dpo.state_dict()["policy.model.lm_head.weight"], ref_weights["model.lm_head.weight"])
+    assert not torch.equal(dpo.state_dict()["policy.model.lm_head.weight"],
+                           ref_weights["model.lm_head.weight"])
     dpo.to(torch.float64)  # registered: casts and device moves follow the module
     assert all(p.dtype == torch.float64 for p in dpo.reference.parameters())
 
@@ -171,9 +176,11 @@ def test_lora_reference_is_the_policy_with_adapters_off(monkeypatch):
     enc = dpo.encode(batch)
     ref = dpo.reference_logps(batch, enc)
     base = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL).eval()
-    expected = torch.stack([logps_by_hand(base, dpo.tokenizer, p["prompt"], p[s]).sum() for s in ("chosen", "rejected") for p in PAIRS])
+    expected = torch.stack([logps_by_hand(base, dpo.tokenizer, p["prompt"], p[s]).sum()
+                            for s in ("chosen", "rejected") for p in PAIRS])
     torch.testing.assert_close(ref, expected, rtol=0, atol=1e-5)
-    policy_seq = dpo.policy.token_logprobs(enc.prompt_ids, enc.prompt_mask, enc.completion_ids, enc.completion_mask)[0].sum(-1)
+    policy_seq = dpo.policy.token_logprobs(enc.prompt_ids, enc.prompt_mask, enc.completion_ids,
+                                           enc.completion_mask)[0].sum(-1)
     assert (policy_seq - ref).abs().max() > 1e-2  # the adapters are on for the policy
 
 
@@ -248,7 +255,8 @@ def small_data(tmp_path: Path) -> list[str]:
     train, val = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
     train.write_text("\n".join(BUILTIN_TRAIN.read_text().splitlines()[:48]) + "\n")
     val.write_text("\n".join(BUILTIN_VAL.read_text().splitlines()[:8]) + "\n")
-    return [f"--data.init_args.path={train}", f"--data.init_args.val_path={val}", "--trainer.enable_checkpointing=false"]
+    return [f"--data.init_args.path={train}", f"--data.init_args.val_path={val}",
+            "--trainer.enable_checkpointing=false"]
 
 
 def test_cli_precomputed_reference_trains_like_on_the_fly(tmp_path):
@@ -275,7 +283,8 @@ def test_cli_resume_continues_exactly(tmp_path):
     fit(tmp_path / "first", *data, "--config", str(overlay), "--trainer.max_steps=3")
     checkpoint = torch.load(ckpt_dir / "last.ckpt", weights_only=False)
     assert not any(k.startswith("reference.") for k in checkpoint["state_dict"])
-    rest = fit(tmp_path / "rest", *data, "--trainer.max_steps=7", "--ckpt_path", str(ckpt_dir / "last.ckpt"))["train/loss"]
+    rest = fit(tmp_path / "rest", *data, "--trainer.max_steps=7",
+               "--ckpt_path", str(ckpt_dir / "last.ckpt"))["train/loss"]
     assert sorted(rest) == [3, 4, 5, 6]  # 48 rows / 8 = 6 batches an epoch: step 6 starts a new permutation
     for step in rest:
         assert rest[step] == pytest.approx(full[step], abs=1e-6), step

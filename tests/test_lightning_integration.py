@@ -28,7 +28,8 @@ def perturb(model: torch.nn.Module, scale: float = 0.05) -> None:
 def sampled(module: GRPO, top_k: int, top_p: float):
     ids, mask = module.encode_prompts(PROMPTS)
     torch.manual_seed(0)
-    return module.policy.generate(ids, mask, num_samples=4, max_new_tokens=8, temperature=1.0, top_k=top_k, top_p=top_p)
+    return module.policy.generate(ids, mask, num_samples=4, max_new_tokens=8, temperature=1.0,
+                                  top_k=top_k, top_p=top_p)
 
 
 # ------------------------------------------------------------------------ top-k / top-p never gives NaN
@@ -73,7 +74,8 @@ def test_nonfinite_behaviour_logprobs_are_excluded_and_counted():
     from lightning_rl.rollout import Rollout
 
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
-    rollout = Rollout(prompt_ids=torch.ones(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1, dtype=torch.long),
+    rollout = Rollout(prompt_ids=torch.ones(2, 1, dtype=torch.long),
+                      prompt_mask=torch.ones(2, 1, dtype=torch.long),
                       completion_ids=torch.ones(2, 3, dtype=torch.long), completion_mask=mask,
                       truncated=torch.zeros(2, dtype=torch.bool), lengths=mask.sum(-1),
                       group_ids=torch.zeros(2, dtype=torch.long), rewards=torch.zeros(2),
@@ -106,7 +108,8 @@ def test_max_grad_norm_bounds_the_update(tmp_path, max_grad_norm):
     before = [p.detach().clone() for p in module.policy.parameters()]
     probe = NormProbe()
     make_trainer(tmp_path, max_steps=1, callbacks=[probe]).fit(module, datamodule())
-    step = math.sqrt(sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(module.policy.parameters(), before, strict=True)))
+    step = math.sqrt(sum(float((p.detach() - b).pow(2).sum())
+                         for p, b in zip(module.policy.parameters(), before, strict=True)))
     if max_grad_norm is None:
         assert probe.norms == [] and step > 1e-2  # unclipped: the raw gradient
     else:
@@ -122,7 +125,8 @@ def test_grpo_runs_in_bf16_mixed_on_cpu(tmp_path):
                            logger=CSVLogger(str(tmp_path)), log_every_n_steps=1)
     trainer.fit(module, datamodule())
     logged = read_csv_metrics(tmp_path)
-    assert all(math.isfinite(v) for v in logged["policy/loss"] + logged["policy/kl_ref"]) and len(logged["policy/loss"]) == 2
+    assert (all(math.isfinite(v) for v in logged["policy/loss"] + logged["policy/kl_ref"])
+            and len(logged["policy/loss"]) == 2)
     assert all(p.dtype == torch.float32 for p in module.policy.parameters())  # mixed: fp32 weights
     assert len(probe.norms) == 2 and all(0 < n < math.inf for n in probe.norms)
     assert any(not torch.equal(p, b) for p, b in zip(module.policy.parameters(), before, strict=True))

@@ -167,7 +167,8 @@ def test_ppo_symmetric_clip_preset_equals_ppo_policy_loss(mode):
 
 def test_dapo_preset_equals_dapo_loss():
     logp, old, _, adv, mask = batch()
-    obj = Objective(ratio_level="token", trust_region="clip", clip_low=0.2, clip_high=0.28, aggregation="token-mean")
+    obj = Objective(ratio_level="token", trust_region="clip", clip_low=0.2, clip_high=0.28,
+                    aggregation="token-mean")
     assert_same([
         lambda x: obj(x, old, None, adv, mask)[0],
         lambda x: L.dapo_loss(x, old, adv, mask, 0.2, 0.28, "token-mean")[0],
@@ -190,7 +191,8 @@ def test_dual_clip_preset_equals_ppo_policy_loss_with_clip_ratio_c():
     loss, _ = assert_same([
         lambda x: obj(x, old, None, adv, mask)[0],
         lambda x: L.ppo_policy_loss(x, old, adv, mask, 0.2, "token-mean", clip_ratio_c=3.0)[0],
-        lambda x: -naive_aggregate(naive_clip_objective(x, old, adv, mask, 0.2, 0.2, c=3.0), mask, "token-mean"),
+        lambda x: -naive_aggregate(naive_clip_objective(x, old, adv, mask, 0.2, 0.2, c=3.0), mask,
+                                   "token-mean"),
     ], logp)
     plain = Objective(clip_low=0.2, clip_high=0.2, aggregation="token-mean")(logp, old, None, adv, mask)[0]
     assert loss < plain  # the dual clip caps the loss of token (1, 0): it did change the value
@@ -212,8 +214,9 @@ def test_clip_hand_values():
     logp4 = torch.log(torch.tensor([[4.0]], dtype=F64))
     one = torch.ones(1, 1, dtype=torch.bool)
     dual = Objective(clip_ratio_c=3.0)
-    assert dual(logp4, torch.zeros_like(logp4), None, torch.tensor([-1.0], dtype=F64), one)[0].item() == pytest.approx(3.0)
-    assert Objective()(logp4, torch.zeros_like(logp4), None, torch.tensor([-1.0], dtype=F64), one)[0].item() == pytest.approx(4.0)
+    neg = torch.tensor([-1.0], dtype=F64)
+    assert dual(logp4, torch.zeros_like(logp4), None, neg, one)[0].item() == pytest.approx(3.0)
+    assert Objective()(logp4, torch.zeros_like(logp4), None, neg, one)[0].item() == pytest.approx(4.0)
 
 
 def test_gspo_preset_equals_gspo_loss_with_clipped_sequences():
@@ -240,7 +243,8 @@ def test_gspo_preset_equals_gspo_loss_with_clipped_sequences():
 
 def test_gspo_metrics_are_per_sequence_in_training_and_contract():
     # Rows of unequal length, so token-weighted and sequence-weighted means differ:
-    # row 0: 3 tokens, log r = (0.01, 0.02, 0.03) -> log s = 0.02, s = 1.0202013 > 1 + 4e-4, A = +1: clipped high
+    # row 0: 3 tokens, log r = (0.01, 0.02, 0.03) -> log s = 0.02, s = 1.0202013 > 1 + 4e-4, A = +1:
+    #        clipped high
     # row 1: 1 token,  log r = -1e-4            -> s = 0.9999000, inside [1 - 3e-4, 1 + 4e-4]: not clipped
     # per sequence: clip_frac = 1/2, clip_frac_high = 1/2, clip_frac_low = 0
     #   ratio_mean = (1.0202013 + 0.9999000) / 2 = 1.0100507
@@ -265,7 +269,8 @@ def test_gspo_hand_value():
     # objective min(1.002002, 1.0004) = 1.0004 -> loss -1.0004, gradient 0
     logp = torch.tensor([[1e-3, 3e-3]], dtype=F64, requires_grad=True)
     obj = Objective(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4)
-    loss, _ = obj(logp, torch.zeros(1, 2, dtype=F64), None, torch.tensor([1.0], dtype=F64), torch.ones(1, 2, dtype=torch.bool))
+    loss, _ = obj(logp, torch.zeros(1, 2, dtype=F64), None, torch.tensor([1.0], dtype=F64),
+                  torch.ones(1, 2, dtype=torch.bool))
     assert loss.item() == pytest.approx(-1.0004, abs=1e-12)
     loss.backward()
     assert torch.equal(logp.grad, torch.zeros(1, 2, dtype=F64))
@@ -274,7 +279,8 @@ def test_gspo_hand_value():
 @pytest.mark.parametrize("mode", AGGS)
 def test_sapo_preset_equals_sapo_loss(mode):
     logp, old, _, adv, mask = batch()
-    obj = Objective(ratio_level="token", trust_region="soft_gate", tau_pos=1.0, tau_neg=1.05, aggregation=mode)
+    obj = Objective(ratio_level="token", trust_region="soft_gate", tau_pos=1.0, tau_neg=1.05,
+                    aggregation=mode)
     assert_same([
         lambda x: obj(x, old, None, adv, mask)[0],
         lambda x: L.sapo_loss(x, old, adv, mask, 1.0, 1.05, mode)[0],
@@ -406,15 +412,16 @@ def test_algorithm_presets_build_these_objectives():
     from lightning_rl.algorithms import DAPO, GRPO, GSPO, SAPO
 
     common = dict(model="builtin:tiny-sort", max_new_tokens=8, max_prompt_length=16, num_generations=2)
-    assert GRPO(**common).objective == Objective(ratio_level="token", trust_region="clip", clip_low=0.2, clip_high=0.2,
-                                                 clip_ratio_c=None, aggregation="seq-mean-token-mean",
+    assert GRPO(**common).objective == Objective(ratio_level="token", trust_region="clip", clip_low=0.2,
+                                                 clip_high=0.2, clip_ratio_c=None,
+                                                 aggregation="seq-mean-token-mean",
                                                  kl_coef=0.04, kl_estimator="k3")
     assert GSPO(**common).objective == Objective(ratio_level="sequence", trust_region="clip", clip_low=3e-4,
                                                  clip_high=4e-4, aggregation="seq-mean-token-mean")
     assert DAPO(**common).objective == Objective(ratio_level="token", trust_region="clip", clip_low=0.2,
                                                  clip_high=0.28, aggregation="token-mean")
-    assert SAPO(**common).objective == Objective(ratio_level="token", trust_region="soft_gate", tau_pos=1.0, tau_neg=1.05,
-                                                 aggregation="seq-mean-token-mean")
+    assert SAPO(**common).objective == Objective(ratio_level="token", trust_region="soft_gate", tau_pos=1.0,
+                                                 tau_neg=1.05, aggregation="seq-mean-token-mean")
     # the composed axes stay open on every preset
     assert SAPO(**common, aggregation="token-mean").objective.aggregation == "token-mean"
     assert GSPO(**common, trust_region="soft_gate").objective.ratio_level == "sequence"

@@ -150,7 +150,8 @@ def test_gradient_does_not_depend_on_micro_batch_size(tmp_path):
         for mode in AGGS:
             whole = update_grads(module, rollout, None, mode)
             for micro in (1, 3):  # 3 does not divide 16: the last micro-batch has one row
-                out[(mode, micro)] = (max_diff(update_grads(module, rollout, micro, mode), whole), norm(whole))
+                out[(mode, micro)] = (max_diff(update_grads(module, rollout, micro, mode), whole),
+                                      norm(whole))
         # control: normalising each micro-batch by its own counts changes the gradient
         original = module.micro_loss
 
@@ -159,7 +160,8 @@ def test_gradient_does_not_depend_on_micro_batch_size(tmp_path):
 
         module.micro_loss = local_counts
         for mode in AGGS:
-            out[(mode, "local")] = max_diff(update_grads(module, rollout, 1, mode), update_grads(module, rollout, None, mode))
+            out[(mode, "local")] = max_diff(update_grads(module, rollout, 1, mode),
+                                            update_grads(module, rollout, None, mode))
         module.micro_loss = original
         return out
 
@@ -269,7 +271,8 @@ class OldLogpCheck(RLCallback):
 def test_two_minibatches_record_old_logprobs_once_per_step(tmp_path):
     module = make(GRPO, num_minibatches=2, kl_coef=0.0)
     snap, cap, check = OldPolicySnapshot(), Capture(), OldLogpCheck()
-    trainer = make_trainer(tmp_path, max_steps=4, callbacks=[snap, cap, check])  # 2 RL steps x 2 optimiser steps
+    # 2 RL steps x 2 optimiser steps
+    trainer = make_trainer(tmp_path, max_steps=4, callbacks=[snap, cap, check])
     trainer.fit(module, datamodule())
     assert trainer.global_step == 4 and len(cap.rollouts) == 2
     assert snap.forward_passes == 2
@@ -283,8 +286,8 @@ def test_two_minibatches_record_old_logprobs_once_per_step(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- c. end to end
-COMMON = ["rollout/reward_mean", "rollout/reward_std", "rollout/response_length_mean", "rollout/truncated_frac",
-          "rollout/zero_std_group_frac", "policy/loss", "policy/approx_kl",
+COMMON = ["rollout/reward_mean", "rollout/reward_std", "rollout/response_length_mean",
+          "rollout/truncated_frac", "rollout/zero_std_group_frac", "policy/loss", "policy/approx_kl",
           "policy/entropy", "policy/ratio_mean", "policy/grad_norm", "val/accuracy", "val/reward_mean",
           "perf/step_time", "perf/generation_time", "perf/tokens_per_sec"]
 CLIP = ["policy/clip_frac_low", "policy/clip_frac_high"]
@@ -383,7 +386,8 @@ def fake_rollout(correct: list[list[int]], tag: int, rewards: list[list[float]] 
     r = torch.tensor([x for group in rewards for x in group]) if rewards else flat.float()
     return Rollout(
         prompt_ids=torch.ones(n, 3, dtype=torch.long), prompt_mask=torch.ones(n, 3, dtype=torch.long),
-        completion_ids=torch.ones(n, 2 + tag, dtype=torch.long), completion_mask=torch.ones(n, 2 + tag, dtype=torch.long),
+        completion_ids=torch.ones(n, 2 + tag, dtype=torch.long),
+        completion_mask=torch.ones(n, 2 + tag, dtype=torch.long),
         truncated=torch.zeros(n, dtype=torch.bool), lengths=torch.arange(n) + 100 * tag,
         group_ids=torch.arange(len(correct)).repeat_interleave(G), rewards=r, correct=flat,
         advantages=torch.zeros(n),
@@ -421,7 +425,8 @@ def test_group_filter_refills_until_full_and_trims():
     out, module = run_filter(2, first, [second, third], max_gen_batches=3)
     assert module.draws == 2 and module.rounds == []
     assert out.lengths.tolist() == [2, 3, 6, 7, 200, 201, 202, 203]  # target 4 groups, in order
-    assert out.num_groups == 4 and out.correct.tolist() == [False, True, True, False, True, False, False, True]
+    assert (out.num_groups == 4
+            and out.correct.tolist() == [False, True, True, False, True, False, False, True])
     assert out.completion_ids.shape[1] == 4  # padded to the widest part
     # 12 groups generated, 5 kept by the filter: 7 / 12 dropped; 3 rounds; generation time summed
     assert module.stats["rollout/filtered_group_frac"] == pytest.approx(7 / 12)
@@ -448,7 +453,8 @@ def test_group_filter_gives_up_after_max_gen_batches():
 
 
 def test_group_filter_uses_correctness_not_rewards():
-    # group 0: rewards differ (shaped) but all wrong -> dropped; group 1: equal rewards, mixed correctness -> kept
+    # group 0: rewards differ (shaped) but all wrong -> dropped;
+    # group 1: equal rewards, mixed correctness -> kept
     first = fake_rollout([[0, 0], [1, 0]], tag=0, rewards=[[-0.5, 0.0], [0.3, 0.3]])
     out, module = run_filter(2, first, [], max_gen_batches=1)
     assert out.lengths.tolist() == [2, 3]
@@ -479,7 +485,8 @@ def fit_expecting(module, tmp_path, exc, match, dm=None):
 
 def test_raising_reward_names_the_function(tmp_path):
     module = make(reward_fns=[f"{HERE}:raising_reward"])
-    fit_expecting(module, tmp_path, RewardError, rf"`{HERE}:raising_reward` raised ZeroDivisionError: bad reward code")
+    fit_expecting(module, tmp_path, RewardError,
+                  rf"`{HERE}:raising_reward` raised ZeroDivisionError: bad reward code")
 
 
 def test_nan_reward_names_function_and_sample(tmp_path):
@@ -490,7 +497,8 @@ def test_nan_reward_names_function_and_sample(tmp_path):
 def test_reward_errors_zero_mode_scores_zero_and_counts(tmp_path):
     module = make(reward_fns=[f"{HERE}:aligned_or_nan"], on_reward_error="zero")
     cap = Capture()
-    trainer = make_trainer(tmp_path, max_steps=2, callbacks=[cap], logger=CSVLogger(str(tmp_path)), log_every_n_steps=1)
+    trainer = make_trainer(tmp_path, max_steps=2, callbacks=[cap], logger=CSVLogger(str(tmp_path)),
+                           log_every_n_steps=1)
     trainer.fit(module, datamodule())
     # 16 samples per step, NaN at rows 0, 4, 8, 12 -> 4 errors scored 0, 12 scored 1
     expected = torch.tensor([0.0, 1.0, 1.0, 1.0] * 4)
@@ -505,7 +513,8 @@ def test_reward_errors_zero_mode_scores_zero_and_counts(tmp_path):
 
 
 def write_jsonl(path: Path, prompts: list[str]) -> Path:
-    path.write_text("".join(json.dumps({"prompt": p, "answer": "".join(sorted(p.rstrip("=")))}) + "\n" for p in prompts))
+    path.write_text("".join(json.dumps({"prompt": p, "answer": "".join(sorted(p.rstrip("=")))}) + "\n"
+                            for p in prompts))
     return path
 
 
@@ -556,7 +565,8 @@ def test_prompt_too_long_only_with_bos_fails_before_training(tmp_path):
 
 @pytest.mark.parametrize(("cls", "kw", "key"), [
     (GRPO, {"num_generations": 1}, "model.num_generations"),
-    (GRPO, {"reward_fns": ["lightning_rl.rewards:exact_match"], "reward_weights": [1.0, 2.0]}, "model.reward_weights"),
+    (GRPO, {"reward_fns": ["lightning_rl.rewards:exact_match"], "reward_weights": [1.0, 2.0]},
+     "model.reward_weights"),
     (DAPO, {"overlong_buffer": 9}, "model.overlong_buffer"),
     (GRPO, {"micro_batch_size": 0}, "model.micro_batch_size"),
     (GRPO, {"ppo_epochs": 0}, "model.ppo_epochs"),
@@ -609,7 +619,8 @@ def test_mask_truncated_zeroes_truncated_rows(tmp_path):
 
 
 def test_dapo_overlong_penalty_shapes_rewards_not_correctness(tmp_path):
-    module = make(DAPO, max_new_tokens=8, overlong_buffer=4, overlong_penalty_factor=0.5, dynamic_sampling=False)
+    module = make(DAPO, max_new_tokens=8, overlong_buffer=4, overlong_penalty_factor=0.5,
+                  dynamic_sampling=False)
 
     def experiment(trainer, module):
         batch = first_batch(trainer)

@@ -22,14 +22,16 @@ def test_bare_import_refused(name):
 
 def test_wheel_contains_every_module_under_lightning_rl(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-w", str(tmp_path), "-q"],
+        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+         "-w", str(tmp_path), "-q"],
         capture_output=True,
         text=True,
     )
     assert proc.returncode == 0, proc.stderr
     (wheel,) = tmp_path.glob("lightning_rl-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for folder, package in [("callbacks", "lightning_rl/callbacks"), ("data", "lightning_rl/data"), ("lightning_rl", "lightning_rl")]:
+    for folder, package in [("callbacks", "lightning_rl/callbacks"), ("data", "lightning_rl/data"),
+                            ("lightning_rl", "lightning_rl")]:
         for src in (ROOT / folder).rglob("*.py"):
             rel = src.relative_to(ROOT / folder).as_posix()
             assert f"{package}/{rel}" in names, f"{folder}/{rel} missing from the wheel"

@@ -66,12 +66,14 @@ def test_loads_every_format_and_yields_raw_batches(tmp_path, fmt):
         datasets.Dataset.from_list(ROWS).to_parquet(path)
     else:
         path = str(tmp_path / "saved")
-        datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:2])}).save_to_disk(path)
+        datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS),
+                              "test": datasets.Dataset.from_list(ROWS[:2])}).save_to_disk(path)
     dm = make_dm(path, batch_size=2, shuffle=False)
     assert [r["prompt"] for r in dm.train_rows] == [r["prompt"] for r in ROWS]
     assert len(dm.val_rows) == (2 if fmt == "save_to_disk" else 0)  # a file has no held-out split
     batch = next(iter(dm.train_dataloader()))
-    assert batch["prompt"] == ["12=", "331="] and batch["chosen"] == ["12", "133"] and batch["rejected"] == ["21", "313"]
+    assert (batch["prompt"] == ["12=", "331="] and batch["chosen"] == ["12", "133"]
+            and batch["rejected"] == ["21", "313"])
 
 
 def test_single_saved_dataset_is_not_its_own_validation_set(tmp_path):
@@ -85,7 +87,8 @@ def test_single_saved_dataset_is_not_its_own_validation_set(tmp_path):
 
 def test_custom_columns_are_renamed(tmp_path):
     rows = [{"q": r["prompt"], "good": r["chosen"], "bad": r["rejected"]} for r in ROWS]
-    dm = make_dm(write_jsonl(tmp_path / "p.jsonl", rows), prompt_column="q", chosen_column="good", rejected_column="bad")
+    dm = make_dm(write_jsonl(tmp_path / "p.jsonl", rows), prompt_column="q", chosen_column="good",
+                 rejected_column="bad")
     assert dm.train_rows[1]["prompt"] == "331=" and dm.train_rows[1]["chosen"] == "133"
     assert "answer" not in dm.train_rows[0]  # no answer column: no greedy val/accuracy
 
@@ -105,12 +108,16 @@ def test_stream_position_resumes_exactly(tmp_path):
 @pytest.mark.parametrize(
     "mutate, expected",
     [
-        (lambda rows: [{k: v for k, v in r.items() if k != "rejected"} for r in rows], ["data.rejected_column", "`rejected`"]),
+        (lambda rows: [{k: v for k, v in r.items() if k != "rejected"} for r in rows],
+         ["data.rejected_column", "`rejected`"]),
         (lambda rows: rows[:2] + [{**rows[2], "chosen": ""}] + rows[3:], ["row 2", "`chosen`", "empty"]),
         (lambda rows: rows[:1] + [{**rows[1], "prompt": ""}] + rows[2:], ["row 1", "`prompt`", "empty"]),
-        (lambda rows: rows[:3] + [{**rows[3], "rejected": rows[3]["chosen"]}], ["row 3", "identical", "data.chosen_column"]),
-        (lambda rows: [{k: v for k, v in r.items() if k != "prompt"} for r in rows], ["data.prompt_column", "`prompt`"]),
-        (lambda rows: [{**r, "rejected": int(r["rejected"])} for r in rows], ["row 0", "`rejected`", "int 21"]),
+        (lambda rows: rows[:3] + [{**rows[3], "rejected": rows[3]["chosen"]}],
+         ["row 3", "identical", "data.chosen_column"]),
+        (lambda rows: [{k: v for k, v in r.items() if k != "prompt"} for r in rows],
+         ["data.prompt_column", "`prompt`"]),
+        (lambda rows: [{**r, "rejected": int(r["rejected"])} for r in rows],
+         ["row 0", "`rejected`", "int 21"]),
     ],
     ids=["missing-column", "empty-chosen", "empty-prompt", "identical", "missing-prompt", "not-text"],
 )
@@ -147,20 +154,24 @@ def test_bad_batch_size_names_the_key():
 def test_implicit_prompt_is_the_shared_conversation_prefix(tmp_path):
     user = {"role": "user", "content": "21="}
     rows = [
-        {"chosen": [user, {"role": "assistant", "content": "12"}], "rejected": [user, {"role": "assistant", "content": "21"}]},
-        {"chosen": [user, {"role": "assistant", "content": "12"}], "rejected": [user, {"role": "assistant", "content": "22"}]},
+        {"chosen": [user, {"role": "assistant", "content": "12"}],
+         "rejected": [user, {"role": "assistant", "content": "21"}]},
+        {"chosen": [user, {"role": "assistant", "content": "12"}],
+         "rejected": [user, {"role": "assistant", "content": "22"}]},
     ]
     dm = make_dm(write_jsonl(tmp_path / "c.jsonl", rows))
     assert dm.train_rows[0]["prompt"] == [user]
     assert dm.train_rows[0]["chosen"] == [{"role": "assistant", "content": "12"}]
-    assert split_implicit_prompt([user], [{"role": "user", "content": "x"}]) == ([], [user], [{"role": "user", "content": "x"}])
+    assert split_implicit_prompt([user], [{"role": "user", "content": "x"}]) == (
+        [], [user], [{"role": "user", "content": "x"}])
     bad = [{"chosen": [user], "rejected": [{"role": "user", "content": "x"}]}]
     with pytest.raises(ValueError, match="row 0.*share no leading prompt"):
         make_dm(write_jsonl(tmp_path / "bad.jsonl", bad))
 
 
 def test_malformed_messages_fail(tmp_path):
-    rows = [{"prompt": [{"content": "hi"}], "chosen": [{"role": "assistant", "content": "a"}], "rejected": [{"role": "assistant", "content": "b"}]}]
+    rows = [{"prompt": [{"content": "hi"}], "chosen": [{"role": "assistant", "content": "a"}],
+             "rejected": [{"role": "assistant", "content": "b"}]}]
     with pytest.raises(ValueError, match="row 0: column `prompt`"):
         make_dm(write_jsonl(tmp_path / "m.jsonl", rows))
 
@@ -183,18 +194,21 @@ def test_conversational_rows_render_with_the_chat_template(tokenizer):
     assert decode(enc.completion_ids[0], enc.completion_mask[0]) == "13\n<eos>"
     assert decode(enc.completion_ids[1], enc.completion_mask[1]) == "31\n<eos>"
     # a plain-string prompt with chat_template on is one user message
-    plain = encode_pairs(tokenizer, ["31="], ["13"], ["31"], max_prompt_length=64, max_completion_length=16, chat_template=True)
+    plain = encode_pairs(tokenizer, ["31="], ["13"], ["31"], max_prompt_length=64, max_completion_length=16,
+                         chat_template=True)
     assert decode(plain.prompt_ids[0], plain.prompt_mask[0]) == "[user]31=\n[assistant]"
 
 
 def test_messages_without_a_chat_template_fail(tokenizer):
     with pytest.raises(ValueError, match="chat template"):
-        encode_pairs(tokenizer, [[{"role": "user", "content": "1"}]], ["a"], ["b"], max_prompt_length=8, max_completion_length=8)
+        encode_pairs(tokenizer, [[{"role": "user", "content": "1"}]], ["a"], ["b"], max_prompt_length=8,
+                     max_completion_length=8)
 
 
 # ---- tokenisation: padding, masks, truncation --------------------------------------------------------
 def test_encode_pairs_layout_and_masks(tokenizer):
-    enc = encode_pairs(tokenizer, ["12=", "9="], ["12", "9"], ["21", "999"], max_prompt_length=16, max_completion_length=16)
+    enc = encode_pairs(tokenizer, ["12=", "9="], ["12", "9"], ["21", "999"], max_prompt_length=16,
+                       max_completion_length=16)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     assert enc.prompt_ids.shape == (4, 3) and enc.completion_ids.shape == (4, 4)
     # prompts left-padded (row order: chosen 0, chosen 1, rejected 0, rejected 1)

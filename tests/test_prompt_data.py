@@ -29,7 +29,8 @@ def write(tmp_path, kind: str, rows=ROWS):
 
 
 def make_dm(path, **kw):
-    dm = PromptDataModule(path=str(path), prompt_column="question", answer_column="solution", batch_size=2, **kw)
+    dm = PromptDataModule(path=str(path), prompt_column="question", answer_column="solution", batch_size=2,
+                          **kw)
     dm.setup("fit")
     return dm
 
@@ -51,7 +52,8 @@ def test_every_file_form_with_custom_columns(tmp_path, kind):
 
 def test_save_to_disk_dataset_dict_uses_splits(tmp_path):
     ds = datasets.Dataset.from_list(ROWS)
-    datasets.DatasetDict({"train": ds.select(range(7)), "test": ds.select(range(7, 10))}).save_to_disk(str(tmp_path / "dd"))
+    datasets.DatasetDict({"train": ds.select(range(7)), "test": ds.select(range(7, 10))}).save_to_disk(
+        str(tmp_path / "dd"))
     dm = make_dm(tmp_path / "dd")
     assert [r["prompt"] for r in dm.train_rows] == [r["question"] for r in ROWS[:7]]
     assert [r["prompt"] for r in dm.val_rows] == [r["question"] for r in ROWS[7:]]

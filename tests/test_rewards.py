@@ -132,7 +132,8 @@ def test_scorer_weighted_sum():
 
 
 def test_scorer_default_weights_are_one():
-    totals, _ = RewardScorer(["lightning_rl.rewards:exact_match", f"{HERE}:half"])(PROMPTS, COMPLETIONS, answer=ANSWERS)
+    scorer = RewardScorer(["lightning_rl.rewards:exact_match", f"{HERE}:half"])
+    totals, _ = scorer(PROMPTS, COMPLETIONS, answer=ANSWERS)
     assert totals == pytest.approx([1.5, 0.5, 1.5, 0.5])
 
 
