@@ -217,7 +217,8 @@ class Policy(TokenScorer):
         flags = add_special_tokens
         if isinstance(flags, bool):
             flags = [flags] * len(prompts)
-        rows = [self.tokenizer(p, add_special_tokens=f)["input_ids"] for p, f in zip(prompts, flags, strict=True)]
+        pairs = zip(prompts, flags, strict=True)
+        rows = [self.tokenizer(p, add_special_tokens=f)["input_ids"] for p, f in pairs]
         enc = self.tokenizer.pad({"input_ids": rows}, padding=True, return_tensors="pt")
         for row, length in enumerate(enc["attention_mask"].sum(-1).tolist()):
             if length == 0 or not prompts[row]:
