@@ -1,6 +1,6 @@
 """Measure each config as-is: held-out greedy accuracy at the start and end, steps and wall time.
 
-    OMP_NUM_THREADS=1 LRL_NUM_THREADS=1 python benchmarks/algorithms.py [grpo gspo dapo sapo sft dpo]
+    OMP_NUM_THREADS=1 LRL_NUM_THREADS=1 python benchmarks/algorithms.py [sft grpo gspo dapo sapo dpo]
 
 Prints a Markdown table (the README's). Each run is a real `lightning-rl fit --config configs/<name>.yaml`
 in a subprocess, logging to a temporary folder; figures are read back from its TensorBoard events.
@@ -64,4 +64,4 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["sft", "grpo", "gspo", "dapo", "sapo"])
+    main(sys.argv[1:] or ["sft", "grpo", "gspo", "dapo", "sapo", "dpo"])

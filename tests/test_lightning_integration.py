@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import datamodule, make, make_trainer, read_csv_metrics
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_rl.algorithms import GRPO
 from lightning_rl.callbacks.base import RLCallback
@@ -115,6 +116,23 @@ def test_max_grad_norm_bounds_the_update(tmp_path, max_grad_norm):
     else:
         assert probe.norms[0] > 10 * max_grad_norm  # the raw gradient was much larger...
         assert step == pytest.approx(max_grad_norm, rel=1e-4)  # ...and the update is cut to the bound
+
+
+def test_clipping_sees_unscaled_gradients_under_16_mixed(tmp_path):
+    # 16-mixed scales the loss by 2**16 before backward. Clipping before the precision plugin unscales
+    # would cut the scaled gradient to 1e-3 and the step would then be 1e-3 / 65536; clipped in
+    # on_before_optimizer_step, after unscaling, the SGD (lr 1) step is exactly the bound.
+    module = make(GRPO, kl_coef=0.0, max_grad_norm=1e-3, optimizer=partial(torch.optim.SGD, lr=1.0))
+    before = [p.detach().clone() for p in module.policy.parameters()]
+    probe = NormProbe()
+    # Lightning gives CPU 16-mixed no scaler: pass one, as CUDA would have (initial scale 2**16)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    make_trainer(tmp_path, max_steps=1, plugins=[plugin], callbacks=[probe]).fit(module, datamodule())
+    assert plugin.scaler.get_scale() == 2.0**16  # the step was taken with a scaled loss, not skipped
+    params = zip(module.policy.parameters(), before, strict=True)
+    step = math.sqrt(sum(float((p.detach() - b).pow(2).sum()) for p, b in params))
+    assert 1e-2 < probe.norms[0] < 1e3  # the logged norm is of the unscaled gradient, not ~65536 times it
+    assert step == pytest.approx(1e-3, rel=1e-3)
 
 
 def test_grpo_runs_in_bf16_mixed_on_cpu(tmp_path):
