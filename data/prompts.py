@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_rl.data.sort_task import SortTask
+from lightning_rl.data.validation import ValidationShard
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -182,9 +183,11 @@ class RowsDataModule(L.LightningDataModule):
         return DataLoader(self.stream(self.seed, self.batches_consumed), batch_size=None, num_workers=0)
 
     def val_dataloader(self) -> DataLoader | list:
+        """This rank's share of the held-out rows: each row scored once on any world size."""
         if not self.val_rows:
             return []
-        return DataLoader(self.val_rows, batch_size=self.val_batch_size, shuffle=False, collate_fn=collate)
+        shard = ValidationShard(self.val_rows, self.val_batch_size, *self.rank_and_world())
+        return DataLoader(shard, batch_size=None, num_workers=0)
 
     def state_dict(self) -> dict[str, Any]:
         consumed = self.batches_consumed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,12 +12,13 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).with_name("ddp_update.py")
+VALIDATE = Path(__file__).with_name("ddp_validate.py")
 
 
-def _run(out: Path, devices: int, micro: str) -> dict:
+def _launch(script: Path, out: Path, *args: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # hard timeout: a hung gloo rank ignores SIGTERM, so run in its own session and kill the group
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(out), str(devices), micro], cwd=out.parent,
+    proc = subprocess.Popen([sys.executable, str(script), str(out), *args], cwd=out.parent,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         log, _ = proc.communicate(timeout=240)
@@ -24,6 +26,10 @@ def _run(out: Path, devices: int, micro: str) -> dict:
         os.killpg(proc.pid, 9)
         pytest.fail("DDP run hung")
     assert proc.returncode == 0, log.decode()[-3000:]
+
+
+def _run(out: Path, devices: int, micro: str) -> dict:
+    _launch(SCRIPT, out, str(devices), micro)
     return torch.load(out)
 
 
@@ -39,3 +45,25 @@ def test_gradient_does_not_depend_on_world_size(tmp_path):
     # the three aggregation modes really differ, so the comparison above covers three normalisations
     a, b = single["token-mean"], single["seq-mean-token-sum"]
     assert max((a[n] - b[n]).abs().max().item() for n in a) > 1e-4
+
+
+def test_every_held_out_row_is_scored_once_on_two_ranks(tmp_path):
+    results = {}
+    for devices in (1, 2):
+        _launch(VALIDATE, tmp_path / f"val{devices}.json", str(devices))
+        results[devices] = json.loads((tmp_path / f"val{devices}.json").read_text())
+    (single,) = results[1]["seen"]
+    prompts = [p for p, _ in single]
+    assert len(prompts) == 5 and len(set(prompts)) == 5
+    # 2 ranks, batches of 2: rows dealt 3 + 2, so rank 1's second batch is a weight-0 placeholder (both
+    # ranks run 2 validation steps); the real rows, over both ranks, are the 5 held-out rows exactly once
+    rank0, rank1 = results[2]["seen"]
+    real = [p for p, w in rank0 + rank1 if w > 0]
+    assert sorted(real) == sorted(prompts)
+    assert [w for _, w in rank0] == [1.0, 1.0, 1.0] and [w for _, w in rank1] == [1.0, 1.0, 0.0]
+    for name in ("val/accuracy", "val/reward_mean"):
+        value = results[1]["metrics"][name]
+        assert value == pytest.approx(results[2]["metrics"][name], abs=1e-6), name
+    # exact match over 5 rows: a multiple of 1/5 (a repeated row or a mean of rank means would not be)
+    fifths = results[2]["metrics"]["val/accuracy"] * 5
+    assert fifths == pytest.approx(round(fifths), abs=1e-5)

@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_rl.data.validation import VAL_WEIGHT_KEY
 from lightning_rl.models import load_policy
 from lightning_rl.rewards import import_reward
 
@@ -160,23 +161,57 @@ class PolicyModule(L.LightningModule):
         return self.decode(gen.completion_ids, gen.completion_mask), gen.lengths.tolist()
 
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
+        batch, weight = real_rows(batch)
         completions, lengths = self.greedy(batch["prompt"])
         scores = self.correct(batch["prompt"], completions, batch_columns(batch))
         acc = torch.tensor([float(s) for s in scores], device=self.device)
-        self.log("val/accuracy", acc.mean(), batch_size=len(completions), sync_dist=True, prog_bar=True)
-        self.validation_extra(batch, completions, lengths)
+        self.log_val_mean("val/accuracy", acc.mean(), weight)
+        self.validation_extra(batch, completions, lengths, weight)
 
     def correct(self, prompts: Sequence[Any], completions: list[str], columns: dict[str, list]) -> list[Any]:
         """Per-completion correctness, whose mean is ``val/accuracy``: ``accuracy_fn`` here."""
         return self.accuracy_fn(prompts=prompts, completions=completions, **columns)
 
-    def validation_extra(self, batch: dict[str, list], completions: list[str], lengths: list[int]) -> None:
+    def validation_extra(
+        self, batch: dict[str, list], completions: list[str], lengths: list[int], weight: float
+    ) -> None:
         """Hook for subclasses to log more validation metrics from the same greedy completions."""
 
+    # ---- validation metrics: exact means over held-out rows on any world size ---------------------
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums: dict[str, torch.Tensor] = {}
+
+    def log_val_mean(self, name: str, value: torch.Tensor | float, weight: float) -> None:
+        """Add ``value``, a mean over ``weight`` held-out rows, to this validation's mean of ``name``.
+
+        Sums and counts are all-reduced once at the end of validation, so the logged value is the mean
+        over every held-out row exactly once (Lightning's ``sync_dist`` averages per-rank means instead).
+        """
+        sums = self._val_sums.setdefault(name, torch.zeros(2, device=self.device))
+        value = torch.as_tensor(value, dtype=torch.float32, device=self.device).detach()
+        sums += torch.stack([value * weight, value.new_tensor(weight)])
+
     def on_validation_epoch_end(self) -> None:
-        value = self.trainer.callback_metrics.get("val/accuracy")
-        if value is not None:
-            rank_zero_info(f"step {self.global_step}: val/accuracy = {float(value):.3f}")
+        results = {}
+        for name in sorted(self._val_sums):  # the same names on every rank: every rank ran >= 1 batch
+            total, count = self.trainer.strategy.reduce(self._val_sums[name].clone(), reduce_op="sum")
+            results[name] = total / count.clamp_min(1)
+            self.log(name, results[name], prog_bar=name in self.val_prog_bar)
+        if self.trainer.sanity_checking and results:
+            # Lightning logs nothing during the sanity pass: record it as the starting point of every curve
+            for logger in self.loggers:
+                logger.log_metrics({k: float(v) for k, v in results.items()}, step=self.global_step)
+        shown = [f"{k} = {float(results[k]):.3f}" for k in self.val_prog_bar if k in results]
+        if shown:
+            rank_zero_info(f"step {self.global_step}: " + ", ".join(shown))
+
+    val_prog_bar: tuple[str, ...] = ("val/accuracy",)  # validation metrics on the progress bar and printed
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.trainer.optimizers[0] if self.trainer.optimizers else None
+        if optimizer is not None:  # the learning rate this step's (first) optimiser step uses
+            self.log("optim/lr", float(optimizer.param_groups[0]["lr"]), on_step=True, on_epoch=False,
+                     batch_size=1)
 
     def save_pretrained(self, path: str) -> None:
         """Write the policy and tokenizer as a folder that ``transformers`` loads directly."""
@@ -213,5 +248,18 @@ def has_callback(trainer: L.Trainer, kind: type) -> bool:
 
 
 def batch_columns(batch: dict[str, list]) -> dict[str, list]:
-    """Every batch column except the prompt, passed to reward functions as keyword arguments."""
-    return {k: v for k, v in batch.items() if k != "prompt"}
+    """Every data column except the prompt, passed to reward functions as keyword arguments."""
+    return {k: v for k, v in batch.items() if k != "prompt" and k != VAL_WEIGHT_KEY}
+
+
+def real_rows(batch: dict[str, list]) -> tuple[dict[str, list], float]:
+    """A validation batch without its placeholder rows, and how many held-out rows it holds.
+
+    A batch of placeholders only (a rank whose share ran out) keeps its first row, with weight 0.
+    """
+    weights = batch.get(VAL_WEIGHT_KEY)
+    if weights is None:
+        return batch, float(len(batch["prompt"]))
+    keep = [i for i, w in enumerate(weights) if w > 0] or [0]
+    rows = {k: [v[i] for i in keep] for k, v in batch.items() if k != VAL_WEIGHT_KEY}
+    return rows, float(sum(weights[i] for i in keep))

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_rl.algorithms.base import PolicyModule
+from lightning_rl.algorithms.base import PolicyModule, batch_columns, real_rows
 from lightning_rl.data.preference import EncodedPairs, encode_pairs
 from lightning_rl.losses import DPO_LOSS_TYPES, DPOLossType, aggregate, dpo_loss
 
@@ -191,6 +191,8 @@ class DPO(PolicyModule):
         )
         metrics["logps/chosen"] = seq[:n].detach().mean()
         metrics["logps/rejected"] = seq[n:].detach().mean()
+        # what the policy itself prefers (rewards/accuracy is 0 at the start only because ties count as wrong)
+        metrics["logps/accuracy"] = (seq[:n] > seq[n:]).float().mean()
         if self.rpo_alpha is not None:
             nll = -aggregate(logp[:n], enc.completion_mask[:n], "token-mean")
             loss = loss + self.rpo_alpha * nll
@@ -210,33 +212,27 @@ class DPO(PolicyModule):
         self.log("data/completion_truncated", float(enc.completion_truncated), batch_size=n)
         return loss
 
+    val_prog_bar = ("val/accuracy", "val/rewards/accuracy", "val/logps/accuracy")
+
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
+        batch, weight = real_rows(batch)
         enc = self.encode(batch)
         loss, metrics = self.pair_loss(batch, enc)
-        n = len(batch["prompt"])
-        self.log("val/loss", loss, batch_size=n, sync_dist=True)
+        self.log_val_mean("val/loss", loss, weight)
         for name, value in metrics.items():
-            self.log(f"val/{name}", value, batch_size=n, sync_dist=True, prog_bar=name == "rewards/accuracy")
+            self.log_val_mean(f"val/{name}", value, weight)
         if "answer" in batch:
-            self._greedy_accuracy(batch, enc)
+            self._greedy_accuracy(batch, enc, weight)
 
-    def _greedy_accuracy(self, batch: dict[str, list], enc: EncodedPairs) -> None:
+    def _greedy_accuracy(self, batch: dict[str, list], enc: EncodedPairs, weight: float) -> None:
         """``val/accuracy``: greedy completions of the (truncated) prompts scored by ``accuracy_fn``."""
         n = len(batch["prompt"])
         gen = self.policy.generate(
             enc.prompt_ids[:n], enc.prompt_mask[:n], max_new_tokens=self.max_new_tokens, do_sample=False
         )
         completions = self.decode(gen.completion_ids, gen.completion_mask)
-        columns = {k: v for k, v in batch.items() if k != "prompt"}
-        scores = self.accuracy_fn(prompts=batch["prompt"], completions=completions, **columns)
-        acc = torch.tensor([float(s) for s in scores], device=self.device)
-        self.log("val/accuracy", acc.mean(), batch_size=n, sync_dist=True, prog_bar=True)
-
-    def on_validation_epoch_end(self) -> None:
-        super().on_validation_epoch_end()
-        value = self.trainer.callback_metrics.get("val/rewards/accuracy")
-        if value is not None:
-            rank_zero_info(f"step {self.global_step}: val/rewards/accuracy = {float(value):.3f}")
+        scores = self.correct(batch["prompt"], completions, batch_columns(batch))
+        self.log_val_mean("val/accuracy", torch.tensor([float(x) for x in scores]).mean(), weight)
 
 
 def _validate(

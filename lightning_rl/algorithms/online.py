@@ -361,11 +361,12 @@ class OnlineRL(PolicyModule):
         return self.correctness_fn(prompts=prompts, completions=completions, **columns)
 
     # ---- validation -----------------------------------------------------------------------------
-    def validation_extra(self, batch: dict[str, list], completions: list[str], lengths: list[int]) -> None:
+    def validation_extra(
+        self, batch: dict[str, list], completions: list[str], lengths: list[int], weight: float
+    ) -> None:
         scores, _ = self.rewards(batch["prompt"], completions, completion_lengths=lengths,
                                  **batch_columns(batch))
-        value = torch.tensor(scores, dtype=torch.float32, device=self.device).mean()
-        self.log("val/reward_mean", value, batch_size=len(completions), sync_dist=True)
+        self.log_val_mean("val/reward_mean", torch.tensor(scores, dtype=torch.float32).mean(), weight)
 
 
 
