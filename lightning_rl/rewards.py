@@ -11,6 +11,7 @@ import importlib
 import math
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 RewardFn = Callable[..., Sequence[float]]
@@ -69,6 +70,46 @@ class RewardError(RuntimeError):
     """A reward function raised, returned the wrong number of values, or returned NaN."""
 
 
+@dataclass(frozen=True)
+class RewardFailure:
+    """One sample a reward function failed on (``on_error: zero``), with the original error text."""
+
+    sample: int  # index in the scored batch
+    prompt: str
+    completion: str
+    error: str  # e.g. "raised KeyError: 'answer' (...)" or "returned nan"
+
+    def __str__(self) -> str:
+        quoted = f"prompt {self.prompt[:80]!r}, completion {self.completion[:80]!r}"
+        return f"sample {self.sample} ({quoted}): {self.error}"
+
+
+@dataclass(frozen=True)
+class FunctionErrors:
+    """How often one reward function failed in a scored batch, and its last failure."""
+
+    fn: str  # import path, as in ``model.reward_fns``
+    count: int  # samples it failed on
+    total: int  # samples scored
+    last: RewardFailure
+
+    def __str__(self) -> str:
+        return f"reward function `{self.fn}` failed on {self.count} of {self.total} samples: {self.last}"
+
+
+@dataclass(frozen=True)
+class RewardScores:
+    """The rewards of one batch, and which samples failed and why (``on_error: zero``).
+
+    ``totals[i]`` is the weighted sum over functions, 0.0 where any function failed on sample ``i``;
+    ``failed`` holds those samples; ``errors`` one entry per function that failed, in ``fns`` order.
+    """
+
+    totals: list[float]
+    failed: frozenset[int]
+    errors: list[FunctionErrors]
+
+
 class RewardScorer:
     """Weighted sum of several reward functions, with errors that name the function and the sample.
 
@@ -76,10 +117,16 @@ class RewardScorer:
         fns: import paths ``package.module:function``.
         weights: one weight per function (default 1.0 each).
         on_error: ``raise`` stops the run on the first bad reward; ``zero`` scores it 0 and counts it.
+        max_error_frac: under ``zero``, the largest fraction of failed samples that ``check_failures``
+            lets through (1.0: any).
     """
 
     def __init__(
-        self, fns: Sequence[str], weights: Sequence[float] | None = None, on_error: str = "raise"
+        self,
+        fns: Sequence[str],
+        weights: Sequence[float] | None = None,
+        on_error: str = "raise",
+        max_error_frac: float = 1.0,
     ) -> None:
         if not fns:
             raise ValueError("`model.reward_fns` is empty: name at least one reward function")
@@ -89,39 +136,76 @@ class RewardScorer:
             )
         if on_error not in ("raise", "zero"):
             raise ValueError(f"`model.on_reward_error` must be 'raise' or 'zero', got {on_error!r}")
+        if not 0.0 <= max_error_frac <= 1.0:
+            raise ValueError(f"`model.max_reward_error_frac` must be in [0, 1], got {max_error_frac}")
         self.names = list(fns)
         self.fns = [import_reward(f) for f in fns]
         self.weights = list(weights) if weights is not None else [1.0] * len(fns)
-        self.on_error = on_error
+        self.on_error, self.max_error_frac = on_error, max_error_frac
+
+    @property
+    def limits_failures(self) -> bool:
+        """Whether ``check_failures`` can raise: failures are counted (``zero``) and not all let through."""
+        return self.on_error == "zero" and self.max_error_frac < 1.0
+
+    def check_failures(self, scores: RewardScores, failed: float, total: float, where: str = "") -> None:
+        """Raise ``RewardError`` when ``failed / total`` exceeds ``max_error_frac``.
+
+        Args:
+            scores: the local batch's scores, whose errors (function, sample, original error) are quoted.
+            failed, total: failed and scored samples, possibly summed over ranks.
+            where: names the process whose errors are quoted (e.g. ``rank 1``), if there are several.
+        """
+        if not self.limits_failures or not total or failed / total <= self.max_error_frac:
+            return
+        here = "; ".join(str(e) for e in scores.errors) or "no reward failed here"
+        raise RewardError(
+            f"rewards failed on {failed:.0f} of {total:.0f} samples, more than "
+            f"`model.max_reward_error_frac`={self.max_error_frac}. {where + ': ' if where else ''}{here}. "
+            "Fix the reward function or raise the limit (`model.on_reward_error: raise` stops at the "
+            "first failure, with its traceback)"
+        )
 
     def __call__(
         self, prompts: Sequence[Any], completions: Sequence[str], **columns: Any
     ) -> tuple[list[float], int]:
         """Total reward per completion and the number of samples whose reward failed (``on_error: zero``)."""
-        total = [0.0] * len(completions)
-        failed: set[int] = set()
-        for name, fn, weight in zip(self.names, self.fns, self.weights, strict=True):
-            for i, value in enumerate(self._one(name, fn, prompts, completions, columns)):
-                if value is None:
-                    failed.add(i)
-                else:
-                    total[i] += weight * value
-        for i in failed:
-            total[i] = 0.0
-        return total, len(failed)
+        scores = self.score(prompts, completions, **columns)
+        return scores.totals, len(scores.failed)
 
-    def _one(self, name: str, fn: RewardFn, prompts, completions, columns) -> list[float | None]:
+    def score(self, prompts: Sequence[Any], completions: Sequence[str], **columns: Any) -> RewardScores:
+        """Total reward per completion; every failure (``on_error: zero``) named by function and sample."""
+        n = len(completions)
+        total = [0.0] * n
+        failed: set[int] = set()
+        errors: list[FunctionErrors] = []
+        for name, fn, weight in zip(self.names, self.fns, self.weights, strict=True):
+            values, bad = self._one(name, fn, prompts, completions, columns)
+            total = [t + weight * v for t, v in zip(total, values, strict=True)]
+            if bad:
+                i = max(bad)
+                last = RewardFailure(i, str(prompts[i]), str(completions[i]), bad[i])
+                errors.append(FunctionErrors(name, len(bad), n, last))
+                failed.update(bad)
+        totals = [0.0 if i in failed else t for i, t in enumerate(total)]
+        return RewardScores(totals, frozenset(failed), errors)
+
+    def _one(
+        self, name: str, fn: RewardFn, prompts: Sequence[Any], completions: Sequence[str], columns: dict
+    ) -> tuple[list[float], dict[int, str]]:
+        """One function's values (0.0 where it failed) and, in ``zero`` mode, each failed sample's error."""
+        n = len(completions)
         try:
             values = list(fn(prompts=list(prompts), completions=list(completions), **columns))
         except Exception as err:  # noqa: BLE001 - re-raised with the function named, or counted
             if self.on_error == "raise":
                 raise RewardError(f"reward function `{name}` raised {type(err).__name__}: {err}") from err
-            return [None] * len(completions)
-        if len(values) != len(completions):
-            raise RewardError(
-                f"reward function `{name}` returned {len(values)} values for {len(completions)} completions"
-            )
-        out: list[float | None] = []
+            why = f"raised {type(err).__name__}: {err} (one call for the batch: all {n} samples failed)"
+            return [0.0] * n, dict.fromkeys(range(n), why)
+        if len(values) != n:
+            raise RewardError(f"reward function `{name}` returned {len(values)} values for {n} completions")
+        out: list[float] = []
+        bad: dict[int, str] = {}
         for i, v in enumerate(values):
             try:
                 v = float(v)
@@ -129,15 +213,16 @@ class RewardScorer:
                 v = math.nan
             if math.isfinite(v):
                 out.append(v)
-            elif self.on_error == "raise":
+                continue
+            if self.on_error == "raise":
                 raise RewardError(
                     f"reward function `{name}` returned {values[i]!r} for sample {i} "
                     f"(prompt {str(prompts[i])[:80]!r}, completion {str(completions[i])[:80]!r}); "
                     "set `model.on_reward_error: zero` to score such samples 0 instead"
                 )
-            else:
-                out.append(None)
-        return out
+            out.append(0.0)
+            bad[i] = f"returned {values[i]!r}"
+        return out, bad
 
 
 def overlong_reward(completion_lengths: Sequence[int], max_len: int, cache_len: int) -> list[float]:

@@ -9,15 +9,23 @@ from lightning_rl.losses import Aggregation
 
 
 class DAPO(OnlineRL):
-    """DAPO preset: all four parts on.
+    """DAPO preset: all four parts on. Only the defaults differ from :class:`OnlineRL`.
 
-    * clip-higher: ``[1 - 0.2, 1 + 0.28]``;
-    * dynamic sampling: only groups with mixed correctness, refilled from new prompts
-      (``DAPOGroupFilter``, up to ``max_gen_batches`` rounds);
-    * ``token-mean`` aggregation over the whole minibatch;
-    * soft overlong punishment over the last ``overlong_buffer`` tokens of ``max_new_tokens``
-      (``auto``: a fifth of the real ``max_new_tokens``, like the paper's 4096 of 20480; ``None`` or 0: off).
-      Truncated completions can also be left out of the loss with ``mask_truncated``.
+    Args:
+        clip_low: the ratio's clip range starts at ``1 - clip_low``.
+        clip_high: clip-higher: the range ends at ``1 + clip_high``, above ``1 + clip_low`` so that
+            unlikely tokens can gain probability (entropy does not collapse).
+        aggregation: ``token-mean`` over the whole minibatch, so long answers weigh per token.
+        kl_coef: no KL term to a reference (0.0), as in the paper.
+        dynamic_sampling: on: only groups with mixed correctness are trained on, refilled from new prompts
+            (``DAPOGroupFilter``, up to ``max_gen_batches`` rounds).
+        overlong_buffer: soft overlong punishment over the last this-many tokens of ``max_new_tokens``.
+            On by default here: ``auto`` is a fifth of the module's ``max_new_tokens``, at least 1 (the
+            paper's 4096 of 20480); ``None`` or 0 turns it off. A completion of L tokens (EOS included)
+            loses nothing up to ``max_new_tokens - overlong_buffer`` tokens, then up to
+            ``overlong_penalty_factor`` at ``max_new_tokens``; ``rollout/overlong_penalty_mean`` logs it.
+            Truncated completions can also be left out of the loss with ``mask_truncated``.
+        **kwargs: see :class:`~lightning_rl.algorithms.online.OnlineRL`.
     """
 
     def __init__(

@@ -20,6 +20,7 @@ step's final, read-only statistics once in ``on_step_end``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import replace
@@ -27,6 +28,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_rl.algorithms.base import PolicyModule, batch_columns, has_callback
 from lightning_rl.losses import (
@@ -39,8 +41,16 @@ from lightning_rl.losses import (
     normalizer_counts,
 )
 from lightning_rl.objective import Objective
-from lightning_rl.rewards import RewardScorer, import_reward, overlong_reward
+from lightning_rl.rewards import RewardScorer, RewardScores, import_reward, overlong_reward
 from lightning_rl.rollout import Rollout
+
+log = logging.getLogger(__name__)
+
+
+@rank_zero_only
+def warn_rank_zero(message: str) -> None:
+    """A warning line on rank zero, every time (``warnings.warn`` would show a repeated message once)."""
+    log.warning(message)
 
 
 class OnlineRL(PolicyModule):
@@ -54,8 +64,11 @@ class OnlineRL(PolicyModule):
         reward_weights: one weight per reward function (default 1 each).
         correctness_fn: ``module:function`` deciding correctness: ``rollout.correct`` (DAPO's group
             filter, ``rollout/correct_frac``) and ``val/accuracy``; ``None`` uses ``accuracy_fn``.
-        on_reward_error: ``raise`` stops on a reward function error or NaN; ``zero`` scores it 0 and
-            counts it in ``rollout/reward_errors``.
+        on_reward_error: ``raise`` stops on a reward function error or NaN; ``zero`` scores it 0, counts
+            it in ``rollout/reward_errors`` and prints a warning naming the function and its last error.
+        max_reward_error_frac: with ``on_reward_error: zero``, stop the run when more than this fraction
+            (in [0, 1]) of a step's samples, counted over all ranks, had a failed reward: a reward
+            function that fails everywhere would otherwise train on zeros and exit 0.
         scale_advantages: divide group-centred rewards by the group std (``False``: Dr. GRPO).
         ppo_epochs: passes over each rollout.
         num_minibatches: optimiser steps per pass (each rank splits its rollout into this many).
@@ -63,9 +76,14 @@ class OnlineRL(PolicyModule):
         max_grad_norm: gradient clipping by global norm (``None``: off).
         ratio_level, trust_region, clip_low, clip_high, clip_ratio_c, tau_pos, tau_neg, aggregation,
             kl_coef, kl_estimator: the objective axes, see :class:`lightning_rl.objective.Objective`.
-        overlong_buffer: DAPO soft overlong punishment over the last this-many tokens of
-            ``max_new_tokens`` (``None`` or 0: off; ``auto``: a fifth of ``max_new_tokens``, like the
-            paper's 4096 of 20480); scaled by ``overlong_penalty_factor``.
+        overlong_buffer: DAPO's soft overlong punishment over the last this-many tokens of
+            ``max_new_tokens``: ``None`` (the default here) or 0: off; ``auto``: a fifth of
+            ``max_new_tokens``, at least 1 (the paper's 4096 of 20480; the ``DAPO`` preset's default).
+            A completion of L tokens (EOS included) gets ``overlong_penalty_factor`` times
+            ``lightning_rl.advantages.overlong_penalty``: 0 up to ``max_new_tokens - overlong_buffer``
+            tokens, then falling linearly to -1 at ``max_new_tokens``. Its mean over the step's first
+            generation round is logged as ``rollout/overlong_penalty_mean`` (0.0 when off).
+        overlong_penalty_factor: weight of the overlong penalty added to the reward.
         mask_truncated: leave completions that hit ``max_new_tokens`` out of the loss.
         dynamic_sampling: keep only groups with mixed correctness, refilling from new prompts
             (DAPO), for up to ``max_gen_batches`` generation rounds per step.
@@ -85,6 +103,7 @@ class OnlineRL(PolicyModule):
         reward_weights: list[float] | None = None,
         correctness_fn: str | None = None,
         on_reward_error: Literal["raise", "zero"] = "raise",
+        max_reward_error_frac: float = 0.5,
         scale_advantages: bool = True,
         ppo_epochs: int = 1,
         num_minibatches: int = 1,
@@ -137,7 +156,7 @@ class OnlineRL(PolicyModule):
         self.num_generations, self.temperature = num_generations, temperature
         self.top_p, self.top_k = top_p, top_k
         reward_fns = reward_fns or ["lightning_rl.rewards:exact_match"]
-        self.rewards = RewardScorer(reward_fns, reward_weights, on_reward_error)
+        self.rewards = RewardScorer(reward_fns, reward_weights, on_reward_error, max_reward_error_frac)
         self.correctness_fn = import_reward(correctness_fn) if correctness_fn else self.accuracy_fn
         self.scale_advantages = scale_advantages
         self.ppo_epochs, self.num_minibatches = ppo_epochs, num_minibatches
@@ -182,8 +201,13 @@ class OnlineRL(PolicyModule):
 
     # ---- rollout --------------------------------------------------------------------------------
     def generate_and_score(self, batch: dict[str, list]) -> tuple[Rollout, dict[str, float]]:
-        """Sample G completions per prompt of ``batch``, score them and compute group advantages."""
+        """Sample G completions per prompt of ``batch``, score them and compute group advantages.
+
+        The step's first call (from ``collect_rollout``; dynamic sampling's refills are later calls)
+        also decides whether too many rewards failed, and reports ``rollout/overlong_penalty_mean``.
+        """
         G = self.num_generations
+        first_round = self._generation_round == 0
         ids, mask = self.encode_prompts(batch["prompt"])
         step = self.trainer.fit_loop.total_batch_idx  # restored on resume, so sampling continues exactly
         seed = hash((self.rollout_seed, step, self._generation_round, self.global_rank)) % 2**31
@@ -199,12 +223,12 @@ class OnlineRL(PolicyModule):
         texts = self.decode(gen.completion_ids, gen.completion_mask)
         prompts = [p for p in batch["prompt"] for _ in range(G)]
         columns = {k: [v for v in vals for _ in range(G)] for k, vals in batch_columns(batch).items()}
-        lengths = gen.lengths.tolist()
-        scores, errors = self.rewards(prompts, texts, completion_lengths=lengths, **columns)
-        rewards = torch.tensor(scores, dtype=torch.float32, device=self.device)
+        scores = self.rewards.score(prompts, texts, completion_lengths=gen.lengths.tolist(), **columns)
+        self.check_reward_errors(scores, decide=first_round)
+        rewards = torch.tensor(scores.totals, dtype=torch.float32, device=self.device)
+        penalty = self.overlong_shaping(gen.lengths)
         if self.overlong_buffer is not None:
-            penalty = overlong_reward(lengths, self.max_new_tokens, self.overlong_buffer)
-            rewards = rewards + self.overlong_penalty_factor * torch.tensor(penalty, device=self.device)
+            rewards = rewards + penalty
         correct = self.correct(prompts, texts, columns)
         completion_mask = gen.completion_mask
         if self.mask_truncated:
@@ -216,9 +240,36 @@ class OnlineRL(PolicyModule):
             rewards=rewards, correct=torch.tensor([bool(c) for c in correct], device=self.device),
             advantages=group_advantages(rewards, G, scale=self.scale_advantages),
         )
-        stats = {"perf/generation_time": gen_time, "rollout/reward_errors": float(errors),
+        stats = {"perf/generation_time": gen_time, "rollout/reward_errors": float(len(scores.failed)),
                  "perf/generated_tokens": float(gen.lengths.sum())}
+        if first_round:  # refill rounds' statistics are summed into the step's, which a mean cannot be
+            stats["rollout/overlong_penalty_mean"] = float(penalty.mean()) if len(penalty) else 0.0
         return rollout, stats
+
+    def overlong_shaping(self, lengths: torch.Tensor) -> torch.Tensor:
+        """The overlong penalty added to each completion's reward, [N] float; zeros when shaping is off."""
+        if self.overlong_buffer is None:
+            return torch.zeros(len(lengths), dtype=torch.float32, device=self.device)
+        penalty = overlong_reward(lengths.tolist(), self.max_new_tokens, self.overlong_buffer)
+        return self.overlong_penalty_factor * torch.tensor(penalty, dtype=torch.float32, device=self.device)
+
+    def check_reward_errors(self, scores: RewardScores, decide: bool) -> None:
+        """Stop when too many rewards failed (``model.max_reward_error_frac``); else warn when any did.
+
+        The stop is decided on failures and samples summed over all ranks, so every rank reaches the
+        same verdict and raises together; a rank raising alone would leave the others waiting in the
+        next collective. Only the step's first generation round decides (``decide``): every rank runs
+        it exactly once per step, whereas dynamic sampling refills a rank-dependent number of times, so
+        a collective there could hang. Refill failures are still counted and warned about.
+        """
+        if decide and self.rewards.limits_failures:  # the same on every rank: a symmetric collective
+            counts = torch.tensor([len(scores.failed), len(scores.totals)], dtype=torch.float32,
+                                  device=self.device)
+            failed, total = self.trainer.strategy.reduce(counts, reduce_op="sum").tolist()
+            where = f"rank {self.global_rank}" if self.trainer.world_size > 1 else ""
+            self.rewards.check_failures(scores, failed, total, where)
+        for errors in scores.errors:
+            warn_rank_zero(str(errors))
 
     def draw_prompts(self) -> dict[str, list]:
         """A fresh prompt batch for refilling (dynamic sampling), from the DataModule's refill stream."""
