@@ -6,7 +6,7 @@ explicitly). ``N`` = prompts x G, ``P`` = padded prompt length, ``C`` = padded c
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -106,3 +106,29 @@ def _pad(values: list[Tensor], left: bool) -> list[Tensor]:
         pad = (extra, 0) if left else (0, extra)
         padded.append(torch.nn.functional.pad(v, pad))
     return padded
+
+
+def merge_stats(stats: Mapping[str, float], extra: Mapping[str, float]) -> dict[str, float]:
+    """A new dict: ``stats`` plus ``extra``, summing the values of names in both (e.g. generation time)."""
+    out = dict(stats)
+    for name, value in extra.items():
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def exclude_nonfinite(rollout: Rollout) -> tuple[Rollout, float]:
+    """Leave out of the loss any token whose behaviour or reference log-prob is not finite.
+
+    Returns the rollout (a new record when anything was excluded) and the number of excluded tokens.
+    """
+    valid = rollout.completion_mask.bool()
+    keep = valid
+    for logp in (rollout.old_logp, rollout.ref_logp):
+        if logp is not None:
+            keep = keep & torch.isfinite(logp)
+    excluded = float((valid & ~keep).sum())
+    if not excluded:
+        return rollout, 0.0
+    clean = {name: None if t is None else torch.where(keep, t, 0.0)
+             for name, t in (("old_logp", rollout.old_logp), ("ref_logp", rollout.ref_logp))}
+    return replace(rollout, completion_mask=keep.to(rollout.completion_mask.dtype), **clean), excluded

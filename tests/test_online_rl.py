@@ -18,13 +18,12 @@ from helpers import datamodule, make, make_trainer, read_csv_metrics
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_rl.algorithms import DAPO, GRPO, GSPO, SAPO, OnlineRL
-from lightning_rl.algorithms.online import merge_stats
 from lightning_rl.callbacks import DAPOGroupFilter, OldPolicySnapshot
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.data import PromptDataModule
 from lightning_rl.losses import dapo_group_keep, normalizer_counts, overlong_penalty
 from lightning_rl.rewards import RewardError
-from lightning_rl.rollout import Rollout
+from lightning_rl.rollout import Rollout, merge_stats
 
 HERE = __name__  # reward functions below are named by import path, as in YAML
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")

@@ -6,12 +6,10 @@ sampling) -> reference log-probs if a KL term is on -> (callbacks: old-policy lo
 losses are normalised by the counts of the whole minibatch (all ranks), so the gradient does not
 depend on micro-batch size, accumulation or world size.
 
-Scoring: top-k / top-p filtering belongs to sampling only. Every log-prob of a sampled token, under
-the current, behaviour and reference policies, is scored on the *tempered, unfiltered* distribution
-(as verl does): the three share one support, so ratios and KL stay finite even when a moved policy
-(or the reference) would have filtered out a token that was sampled. A token whose behaviour or
-reference log-prob is still not finite (overflow in low precision) is left out of the loss and counted
-in ``rollout/excluded_tokens``.
+Scoring: top-k / top-p filtering belongs to sampling only. Current, behaviour and reference log-probs
+are all scored on the *tempered, unfiltered* distribution (as verl does), so the three share one support
+and ratios and KL stay finite when a model would have filtered out a sampled token. A token whose
+behaviour or reference log-prob is still not finite is left out and counted in ``rollout/excluded_tokens``.
 
 Statistics flow one way: each stage returns its numbers, the module merges them, and callbacks get the
 step's final, read-only statistics once in ``on_step_end``.
@@ -22,8 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
-from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -42,7 +38,7 @@ from lightning_rl.losses import (
 )
 from lightning_rl.objective import Objective
 from lightning_rl.rewards import RewardScorer, RewardScores, import_reward, overlong_reward
-from lightning_rl.rollout import Rollout
+from lightning_rl.rollout import Rollout, exclude_nonfinite, merge_stats
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +72,11 @@ class OnlineRL(PolicyModule):
         max_grad_norm: gradient clipping by global norm (``None``: off).
         ratio_level, trust_region, clip_low, clip_high, clip_ratio_c, tau_pos, tau_neg, aggregation,
             kl_coef, kl_estimator: the objective axes, see :class:`lightning_rl.objective.Objective`.
-        overlong_buffer: DAPO's soft overlong punishment over the last this-many tokens of
-            ``max_new_tokens``: ``None`` (the default here) or 0: off; ``auto``: a fifth of
-            ``max_new_tokens``, at least 1 (the paper's 4096 of 20480; the ``DAPO`` preset's default).
-            A completion of L tokens (EOS included) gets ``overlong_penalty_factor`` times
-            ``lightning_rl.advantages.overlong_penalty``: 0 up to ``max_new_tokens - overlong_buffer``
-            tokens, then falling linearly to -1 at ``max_new_tokens``. Its mean over the step's first
-            generation round is logged as ``rollout/overlong_penalty_mean`` (0.0 when off).
+        overlong_buffer: DAPO's soft overlong punishment (``advantages.overlong_penalty``, times
+            ``overlong_penalty_factor``): 0 up to ``max_new_tokens - overlong_buffer`` tokens (EOS
+            included), then down linearly to -1 at ``max_new_tokens``. ``None`` (default here) or 0: off;
+            ``auto``: a fifth of ``max_new_tokens``, at least 1 (the ``DAPO`` preset's default). Logged
+            as ``rollout/overlong_penalty_mean`` (first generation round; 0.0 when off).
         overlong_penalty_factor: weight of the overlong penalty added to the reward.
         mask_truncated: leave completions that hit ``max_new_tokens`` out of the loss.
         dynamic_sampling: keep only groups with mixed correctness, refilling from new prompts
@@ -420,28 +414,3 @@ class OnlineRL(PolicyModule):
         self.log_val_mean("val/reward_mean", torch.tensor(scores, dtype=torch.float32).mean(), weight)
 
 
-
-def merge_stats(stats: Mapping[str, float], extra: Mapping[str, float]) -> dict[str, float]:
-    """A new dict: ``stats`` plus ``extra``, summing the values of names in both (e.g. generation time)."""
-    out = dict(stats)
-    for name, value in extra.items():
-        out[name] = out.get(name, 0.0) + value
-    return out
-
-
-def exclude_nonfinite(rollout: Rollout) -> tuple[Rollout, float]:
-    """Leave out of the loss any token whose behaviour or reference log-prob is not finite.
-
-    Returns the rollout (a new record when anything was excluded) and the number of excluded tokens.
-    """
-    valid = rollout.completion_mask.bool()
-    keep = valid
-    for logp in (rollout.old_logp, rollout.ref_logp):
-        if logp is not None:
-            keep = keep & torch.isfinite(logp)
-    excluded = float((valid & ~keep).sum())
-    if not excluded:
-        return rollout, 0.0
-    clean = {name: None if t is None else torch.where(keep, t, 0.0)
-             for name, t in (("old_logp", rollout.old_logp), ("ref_logp", rollout.ref_logp))}
-    return replace(rollout, completion_mask=keep.to(rollout.completion_mask.dtype), **clean), excluded
