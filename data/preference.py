@@ -20,13 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_rl.data.prompts import RowsDataModule, check_rows, load_rows
+from lightning_rl.data.prompts import RowsDataModule, check_rows, load_rows, row_locator
 from lightning_rl.data.sort_task import SortTask
 
 FILES = Path(__file__).resolve().parent / "files"
@@ -192,7 +194,11 @@ class PreferenceDataModule(RowsDataModule):
         batch_size: pairs per training step on each rank.
         val_batch_size: pairs per validation batch.
         max_val_rows: validate on at most this many held-out pairs (``None``: all).
-        seed: seed of the training order.
+        val_fraction: hold out this fraction of the training pairs (0 < f < 1) for validation, chosen
+            with ``seed``, instead of ``val_split``; the counts are logged. Not with ``val_path``.
+        skip_identical: drop pairs whose chosen and rejected completions are identical (the count is
+            logged) instead of stopping at the first one.
+        seed: seed of the training order (and of the ``val_fraction`` split).
         shuffle: shuffle the training pairs each epoch.
     """
 
@@ -210,6 +216,8 @@ class PreferenceDataModule(RowsDataModule):
         batch_size: int = 8,
         val_batch_size: int = 64,
         max_val_rows: int | None = None,
+        val_fraction: float = 0.0,
+        skip_identical: bool = False,
         seed: int = 0,
         shuffle: bool = True,
     ) -> None:
@@ -219,6 +227,13 @@ class PreferenceDataModule(RowsDataModule):
                 "`data.batch_size` and `data.val_batch_size` must be >= 1, "
                 f"got {batch_size}, {val_batch_size}"
             )
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"`data.val_fraction` must be in [0, 1), got {val_fraction}")
+        if val_fraction > 0 and (val_path is not None or path is None):
+            raise ValueError(
+                "`data.val_fraction` splits validation pairs off `data.path`: it needs `data.path` and "
+                "cannot be combined with `data.val_path`"
+            )
         self.path, self.val_path, self.split, self.val_split, self.name = (
             path, val_path, split, val_split, name
         )
@@ -227,55 +242,105 @@ class PreferenceDataModule(RowsDataModule):
         )
         self.answer_column = answer_column
         self.batch_size, self.val_batch_size, self.max_val_rows = batch_size, val_batch_size, max_val_rows
+        self.val_fraction, self.skip_identical = val_fraction, skip_identical
         self.seed, self.shuffle = seed, shuffle
+        self.skipped_identical = {"train": 0, "val": 0}  # pairs dropped by `skip_identical`
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_rows:
             return
         if self.path is None:
-            train, val, source = (
-                load_rows(str(BUILTIN_TRAIN)), load_rows(str(BUILTIN_VAL)), "built-in sort pairs"
-            )
+            train_file, val_file = str(BUILTIN_TRAIN), str(BUILTIN_VAL)
+            train, val = load_rows(train_file), load_rows(val_file)
+            train_source, val_source = "built-in sort pairs", "built-in held-out sort pairs"
         else:
-            train, val, source = (
-                load_rows(self.path, self.split, self.name), self.load_val(), f"`data.path`={self.path}"
-            )
-        self.train_rows = self.prepare_rows(train, f"{source} (split {self.split})")
+            train_file, val_file = self.path, self.val_path or self.path
+            train = load_rows(self.path, self.split, self.name)
+            val = [] if self.val_fraction > 0 else self.load_val()
+            train_source, val_source = f"`data.path`={self.path} (split {self.split})", self.val_source()
+        self.train_rows = self.prepare_rows(train, train_source, row_locator(train_file), "train")
         if val:
-            self.val_rows = self.prepare_rows(val, f"validation data of {source}")[: self.max_val_rows]
+            self.val_rows = self.prepare_rows(val, val_source, row_locator(val_file), "val")
+        if self.val_fraction > 0:
+            self.train_rows, self.val_rows = self.split_off_val(self.train_rows)
+        self.val_rows = self.val_rows[: self.max_val_rows]
 
-    def prepare_rows(self, rows: list[dict[str, Any]], source: str) -> list[dict[str, Any]]:
+    def split_off_val(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """``(train, val)``: a seeded ``val_fraction`` of ``rows`` held out; both keep the file order.
+
+        The same on every rank (a pure function of ``seed``), so ranks validate on the same pairs.
+        """
+        n_val = round(self.val_fraction * len(rows))
+        if not 0 < n_val < len(rows):
+            raise ValueError(
+                f"`data.val_fraction`={self.val_fraction} of {len(rows)} pairs leaves {n_val} for validation "
+                f"and {len(rows) - n_val} for training; both need at least one"
+            )
+        g = torch.Generator().manual_seed(self.seed + 104_729)  # not the training order's permutation
+        held = set(torch.randperm(len(rows), generator=g)[:n_val].tolist())
+        rank_zero_info(
+            f"data.val_fraction={self.val_fraction}: {n_val} of {len(rows)} pairs held out for validation, "
+            f"{len(rows) - n_val} left for training"
+        )
+        return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
+
+    def prepare_rows(
+        self, rows: list[dict[str, Any]], source: str, locate: Callable[[int], str], part: str = "train"
+    ) -> list[dict[str, Any]]:
         """Check ``rows`` and expose them as ``prompt`` / ``chosen`` / ``rejected`` (+ ``answer``).
+
+        Args:
+            rows: the loaded rows.
+            source: where they came from, for messages; ``locate`` names row ``i`` (``line N``).
+            part: ``"train"`` or ``"val"``, the key of ``skipped_identical`` to count in.
 
         Raises:
             ValueError: naming the row and the ``data.*`` key, for an empty dataset, a missing column,
-                an empty field, malformed messages or identical chosen and rejected completions.
+                an empty field, malformed messages or (unless ``skip_identical``) identical chosen and
+                rejected completions.
         """
         columns = {"data.chosen_column": self.chosen_column, "data.rejected_column": self.rejected_column}
-        check_rows(rows, columns, source)
+        check_rows(rows, columns, source, locate)
         implicit = self.prompt_column not in rows[0] and isinstance(rows[0][self.chosen_column], list)
         if not implicit:
-            check_rows(rows, {"data.prompt_column": self.prompt_column}, source)
+            check_rows(rows, {"data.prompt_column": self.prompt_column}, source, locate)
         answer = self.answer_column if self.answer_column in rows[0] else None
         if answer is not None:
-            check_rows(rows, {"data.answer_column": answer}, source)
-        return [self._canonical(i, row, implicit, answer, source) for i, row in enumerate(rows)]
+            check_rows(rows, {"data.answer_column": answer}, source, locate)
+        out = []
+        for i, row in enumerate(rows):
+            try:
+                out.append(self._canonical(row, implicit, answer))
+            except ValueError as err:  # locate only now: it may read the file to find the line
+                raise ValueError(f"dataset {source}, {locate(i)}: {err}") from None
+        kept = [row for row in out if row is not None]
+        self.skipped_identical[part] = len(out) - len(kept)
+        if len(kept) < len(out):
+            rank_zero_info(
+                f"data.skip_identical: dropped {len(out) - len(kept)} of {len(out)} pairs of {source} "
+                "whose chosen and rejected completions are identical"
+            )
+        if not kept:
+            raise ValueError(f"dataset {source} has no pairs left after `data.skip_identical`")
+        return kept
 
-    def _canonical(
-        self, i: int, row: dict[str, Any], implicit: bool, answer: str | None, source: str
-    ) -> dict[str, Any]:
+    def _canonical(self, row: dict[str, Any], implicit: bool, answer: str | None) -> dict[str, Any] | None:
+        """The row in canonical form, or ``None`` for an identical pair when ``skip_identical``.
+
+        Raises:
+            ValueError: whose message the caller prefixes with the dataset and the row's line.
+        """
         chosen, rejected = row[self.chosen_column], row[self.rejected_column]
-        where = f"dataset {source}, row {i}"
         if implicit:
             if not isinstance(rejected, list):
                 raise ValueError(
-                    f"{where}: column `{self.rejected_column}` (data.rejected_column) "
+                    f"column `{self.rejected_column}` (data.rejected_column) "
                     f"must be messages like `{self.chosen_column}`"
                 )
             prompt, chosen, rejected = split_implicit_prompt(chosen, rejected)
             if not prompt and chosen != rejected:
                 raise ValueError(
-                    f"{where}: no column `{self.prompt_column}` (data.prompt_column) and the conversations "
+                    f"no column `{self.prompt_column}` (data.prompt_column) and the conversations "
                     f"in `{self.chosen_column}` / `{self.rejected_column}` share no leading prompt messages"
                 )
         else:
@@ -285,11 +350,14 @@ class PreferenceDataModule(RowsDataModule):
             ("data.chosen_column", self.chosen_column, chosen),
             ("data.rejected_column", self.rejected_column, rejected),
         ):
-            _check_messages(value, f"{where}: column `{column}` ({key})")
+            _check_messages(value, f"column `{column}` ({key})")
         if chosen == rejected:
+            if self.skip_identical:
+                return None
             raise ValueError(
-                f"{where}: chosen and rejected completions are identical (columns `{self.chosen_column}` / "
-                f"`{self.rejected_column}`, data.chosen_column / data.rejected_column)"
+                f"chosen and rejected completions are identical (columns `{self.chosen_column}` / "
+                f"`{self.rejected_column}`, data.chosen_column / data.rejected_column); "
+                "set `data.skip_identical: true` to drop such pairs"
             )
         out = {**row, "prompt": prompt, "chosen": chosen, "rejected": rejected}
         if answer is not None:

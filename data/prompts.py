@@ -10,7 +10,8 @@ that holds the prompt, so groups are never split across ranks.
 from __future__ import annotations
 
 import csv
-from collections.abc import Iterator
+import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,19 +26,36 @@ FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "
 
 
 def load_rows(
-    path: str, split: str = "train", name: str | None = None, require_split: bool = False
+    path: str,
+    split: str = "train",
+    name: str | None = None,
+    require_split: bool = False,
+    key: str = "data.path",
 ) -> list[dict[str, Any]]:
     """Load a table as a list of dict rows.
 
-    ``path`` is a JSONL / JSON / CSV / Parquet file, a folder written by ``datasets.save_to_disk``, or
-    a dataset name on the Hugging Face hub (loaded with ``datasets.load_dataset``). A single file or a
-    single saved ``Dataset`` has no splits: it is returned whole, unless ``require_split`` (then a
-    ``ValueError``, so a held-out split is never silently the training data). CSV cells are read as
-    strings (an answer ``01358`` stays ``01358``); an empty file gives no rows.
+    ``path`` is a JSONL / JSON / CSV / Parquet file, a folder written by ``datasets.save_to_disk``, a
+    local folder of data files, or a dataset name on the Hugging Face hub (loaded with
+    ``datasets.load_dataset``). A single file or a single saved ``Dataset`` has no splits: it is returned
+    whole, unless ``require_split`` (then a ``ValueError``, so a held-out split is never silently the
+    training data). CSV cells are read as strings (an answer ``01358`` stays ``01358``); an empty file
+    gives no rows.
+
+    Raises:
+        FileNotFoundError: ``path`` is plainly a local path (``lightning_rl.models.looks_local``) and
+            does not exist; the message names ``key``.
+        ConnectionError: ``path`` is a hub name and the hub cannot be reached (one short try).
+        ValueError: an unreadable file, naming it (and the 1-based line, for JSON / JSONL).
     """
     import datasets
+    import huggingface_hub
 
-    local = Path(path)
+    # imported here: lightning_rl.models imports this package
+    from lightning_rl.models import hub_error, hub_unreachable, looks_local
+
+    local = Path(path).expanduser()
+    if looks_local(path) and not local.exists():
+        raise FileNotFoundError(f"`{key}`: data file not found: {path}")
     if local.is_dir() and any(
         (local / f).exists() for f in ("dataset_info.json", "dataset_dict.json", "state.json")
     ):
@@ -52,15 +70,21 @@ def load_rows(
     if local.suffix in FILE_BUILDERS:
         if require_split:
             raise ValueError(f"{path} is a single file with no split {split!r}")
-        return _load_file(local)
+        return _load_file(local, key)
+    if local.exists():  # a folder of data files
+        return datasets.load_dataset(str(local), name, split=split).to_list()
+    reason = None if huggingface_hub.constants.HF_HUB_OFFLINE else hub_unreachable()  # offline: the cache
+    if reason is not None:
+        hint = "a local JSONL / CSV / Parquet file or save_to_disk folder (HF_HUB_OFFLINE=1 reads the cache)"
+        raise ConnectionError(hub_error(path, key, reason, hint))
     return datasets.load_dataset(path, name, split=split).to_list()
 
 
-def _load_file(local: Path) -> list[dict[str, Any]]:
+def _load_file(local: Path, key: str) -> list[dict[str, Any]]:
     import datasets
 
     if not local.exists():
-        raise FileNotFoundError(f"data file not found: {local}")
+        raise FileNotFoundError(f"`{key}`: data file not found: {local}")
     if local.stat().st_size == 0:
         return []
     kwargs: dict[str, Any] = {}
@@ -75,20 +99,95 @@ def _load_file(local: Path) -> list[dict[str, Any]]:
         return datasets.load_dataset(
             FILE_BUILDERS[local.suffix], data_files=str(local), split="train", **kwargs
         ).to_list()
-    except ValueError as err:
+    except (ValueError, datasets.exceptions.DatasetGenerationError) as err:
+        cause = err.__cause__ or err  # DatasetGenerationError only says "an error occurred"
         if "corresponds to no data" in str(err):  # header-only CSV, blank JSONL, 0-row Parquet
             return []
-        raise ValueError(f"cannot read {local}: {err}") from err
+        where = _json_error(local) if FILE_BUILDERS[local.suffix] == "json" else None
+        if where is not None:  # our message is complete: no chained traceback from the builder
+            raise ValueError(f"`{key}`: cannot read {local}: {where}") from None
+        raise ValueError(f"`{key}`: cannot read {local}: {type(cause).__name__}: {cause}") from err
 
 
-def check_rows(rows: list[dict[str, Any]], columns: dict[str, str | None], source: str) -> None:
+def _json_error(local: Path) -> str | None:
+    """``"line N: why"`` for the first line of a JSON / JSONL file that is not one JSON object (1-based),
+    or for a JSON array's syntax error; ``None`` if the file parses."""
+    if _is_json_array(local):
+        try:
+            json.loads(local.read_bytes())
+        except ValueError as err:
+            return _decode_error(err, getattr(err, "lineno", 1))
+        return None
+    with local.open("rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except ValueError as err:
+                return _decode_error(err, n)
+            if not isinstance(value, dict):
+                return f"line {n}: expected one JSON object per line, got a {type(value).__name__}"
+    return None
+
+
+def _decode_error(err: ValueError, line: int) -> str:
+    if isinstance(err, json.JSONDecodeError):
+        return f"line {line}: {err.msg} (column {err.colno})"
+    return f"line {line}: {err}"  # e.g. bytes that are not UTF-8
+
+
+def row_locator(path: str | None) -> Callable[[int], str]:
+    """How messages name row ``i`` of ``path``: ``line N`` (the 1-based line in the file) for JSONL /
+    JSON-lines and CSV files, else ``row index i`` (0-based, as in ``dataset[i]``)."""
+    local = Path(path).expanduser() if path else None
+    if local is None or not local.is_file() or local.suffix not in (".jsonl", ".json", ".csv"):
+        return lambda i: f"row index {i}"
+
+    def locate(i: int) -> str:
+        lines = _record_lines(local)  # read only when an error is being reported
+        return f"line {lines[i]}" if i < len(lines) else f"row index {i}"
+
+    return locate
+
+
+def _record_lines(local: Path) -> list[int]:
+    """The 1-based line where each record of a CSV (after its header) or JSON-lines file starts;
+    blank lines hold no record. Empty for a JSON array."""
+    if local.suffix == ".csv":
+        with local.open(newline="") as f:
+            reader, starts, previous = csv.reader(f), [], 0
+            for record in reader:
+                if record:
+                    starts.append(previous + 1)
+                previous = reader.line_num
+        return starts[1:]
+    if _is_json_array(local):
+        return []
+    with local.open("rb") as f:
+        return [n for n, line in enumerate(f, 1) if line.strip()]
+
+
+def _is_json_array(local: Path) -> bool:
+    with local.open("rb") as f:
+        return f.read(4096).lstrip().startswith(b"[")
+
+
+def check_rows(
+    rows: list[dict[str, Any]],
+    columns: dict[str, str | None],
+    source: str,
+    locate: Callable[[int], str] | None = None,
+) -> None:
     """Raise a ``ValueError`` naming the source, key, column and row for unusable data.
 
     Args:
         rows: the loaded rows.
         columns: ``{config key: column name}``; a ``None`` column is not required.
         source: where the rows came from, for the message.
+        locate: names row ``i`` in messages (:func:`row_locator`); default ``row index i``.
     """
+    locate = locate or (lambda i: f"row index {i}")
     if not rows:
         raise ValueError(f"dataset {source} is empty")
     for key, column in columns.items():
@@ -99,7 +198,7 @@ def check_rows(rows: list[dict[str, Any]], columns: dict[str, str | None], sourc
         for i, row in enumerate(rows):
             value = row.get(column)
             if value is None or (isinstance(value, (str, list)) and len(value) == 0):
-                raise ValueError(f"dataset {source}, row {i}: column `{column}` ({key}) is empty")
+                raise ValueError(f"dataset {source}, {locate(i)}: column `{column}` ({key}) is empty")
 
 
 class PromptStream(IterableDataset):
@@ -170,14 +269,20 @@ class RowsDataModule(L.LightningDataModule):
 
     def load_val(self) -> list[dict[str, Any]]:
         """``val_path`` (its ``val_split``), else ``path``'s ``val_split`` if it has one, else no rows."""
+        key = "data.path" if self.val_path is None else "data.val_path"
         try:
-            return load_rows(
-                self.val_path or self.path, self.val_split, self.name, require_split=self.val_path is None
-            )
+            return load_rows(self.val_path or self.path, self.val_split, self.name,
+                             require_split=self.val_path is None, key=key)
         except (ValueError, KeyError):
             if self.val_path is not None:
                 raise
             return []  # `path` has no held-out split: train without validation
+
+    def val_source(self) -> str:
+        """Where the validation rows come from, for messages."""
+        if self.val_path is not None:
+            return f"`data.val_path`={self.val_path} (split {self.val_split})"
+        return f"`data.path`={self.path} (split {self.val_split})" if self.path else "the built-in task"
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.stream(self.seed, self.batches_consumed), batch_size=None, num_workers=0)
@@ -258,10 +363,11 @@ class PromptDataModule(RowsDataModule):
             self.val_rows = self.task.val_rows()
         else:
             self.train_rows = load_rows(self.path, self.split, self.name)
-            check_rows(self.train_rows, columns, f"`data.path`={self.path} (split {self.split})")
+            check_rows(self.train_rows, columns, f"`data.path`={self.path} (split {self.split})",
+                       row_locator(self.path))
             self.val_rows = self.load_val()
         if self.val_rows:
-            check_rows(self.val_rows, columns, f"validation data of `data.path`={self.path}")
+            check_rows(self.val_rows, columns, self.val_source(), row_locator(self.val_path or self.path))
         if self.max_val_rows is not None:
             self.val_rows = self.val_rows[: self.max_val_rows]
         self.train_rows = [self._canonical(r) for r in self.train_rows]

@@ -5,6 +5,11 @@ library; its warm-started weights (``configs/sft.yaml``) ship as package data in
 ``lightning_rl/data/tiny_sort``, so every config runs with no network. Any other ``model`` value is a
 hub id or a local folder passed to ``from_pretrained``.
 
+A value that is plainly a path (see :func:`looks_local`) is never sent to the hub: a missing folder fails
+at once. A hub id is only downloaded after one short probe of the hub; when the hub cannot be reached the
+local cache is used, or the load fails at once with a message saying how to point at a local folder
+(``transformers`` alone retries for ~50 s and then blames the repo id).
+
 The tokenizer is saved as an ordinary Hugging Face tokenizer folder, which ``AutoTokenizer`` reloads
 unchanged when the model config is a Llama one (a Qwen2 config would rebuild it as a BPE
 ``Qwen2Tokenizer`` and silently drop characters: see DESIGN.md).
@@ -12,8 +17,10 @@ unchanged when the model config is a Llama one (a Qwen2 config would rebuild it 
 
 from __future__ import annotations
 
+import os
 import string
 from importlib.resources import files
+from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -24,6 +31,10 @@ EMBEDDED_MODEL = str(files("lightning_rl.data") / "tiny_sort")
 BUILTIN_MODELS = ("builtin:tiny-sort", "builtin:tiny-scratch")
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
+# Endings that make a value a file path, never a hub id (hub names may hold dots: `Qwen/Qwen2.5-0.5B`).
+FILE_SUFFIXES = (
+    ".jsonl", ".json", ".csv", ".parquet", ".arrow", ".txt", ".safetensors", ".bin", ".gguf", ".pt"
+)
 ALPHABET = "".join(sorted(set(string.printable) - set("\t\r\x0b\x0c")))  # printable ASCII + space + newline
 
 
@@ -76,12 +87,84 @@ def tiny_llama_config(
     )
 
 
-def load_policy(model: str, dtype: str | None = None, trust_remote_code: bool = False) -> Policy:
-    """Load the policy named by ``model``.
+def looks_local(value: str) -> bool:
+    """Whether ``value`` names a local path rather than a hub id.
+
+    A path is absolute, starts with ``.`` or ``~``, has a first component that exists here, has more
+    than one ``/`` (a hub id has at most one), or ends like a file (``.jsonl``, ``.safetensors``, ...).
+    A missing ``dir/sub`` is indistinguishable from the hub id ``org/name`` and counts as a hub id: if the
+    hub cannot be reached, the error says that no such local folder exists either.
+    """
+    if value.startswith((".", "~")) or os.path.isabs(value):
+        return True
+    parts = value.replace(os.sep, "/").split("/")
+    return Path(parts[0]).exists() or len(parts) > 2 or value.lower().endswith(FILE_SUFFIXES)
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face hub cannot be used now, or ``None`` if it answered one short request.
+
+    One HEAD request to the endpoint (``HF_ENDPOINT``) with ``HF_HUB_ETAG_TIMEOUT`` seconds, through
+    ``huggingface_hub``'s session (so its proxy settings apply) and without retries. Any HTTP answer
+    counts as reachable; errors about a repo itself are left to the loader that follows.
+    """
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    try:
+        get_session().head(constants.ENDPOINT, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except Exception as err:  # any failure to get an answer (DNS, refused, timeout, proxy) means unreachable
+        return f"{constants.ENDPOINT} did not answer: {type(err).__name__}: {err}"
+    return None
+
+
+def hub_error(value: str, key: str, reason: str, local_hint: str) -> str:
+    """The one-line message for a hub id that cannot be loaded because the hub is unreachable."""
+    return (
+        f"`{key}`: `{value}` is not a local path and the Hugging Face hub could not be reached ({reason}), "
+        f"nor is it in the local cache; set `{key}` to {local_hint}, or fetch it where the hub is reachable"
+    )
+
+
+def load_pretrained(
+    name_or_path: str, dtype: str | None = None, trust_remote_code: bool = False, key: str = "model.model"
+) -> Policy:
+    """``Policy.from_pretrained`` for a local folder or hub id that fails fast, naming ``key``.
+
+    Raises:
+        FileNotFoundError: a local path (:func:`looks_local`) that does not exist.
+        NotADirectoryError: a local path that is a file, not a ``save_pretrained`` folder.
+        ConnectionError: a hub id while the hub is unreachable and the id is not in the local cache.
+    """
+    kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    if looks_local(name_or_path):
+        folder = Path(name_or_path).expanduser()
+        if not folder.exists():
+            raise FileNotFoundError(f"`{key}`: model folder not found: {name_or_path}")
+        if not folder.is_dir():
+            raise NotADirectoryError(f"`{key}`: not a save_pretrained folder but a file: {name_or_path}")
+        return Policy.from_pretrained(str(folder), **kwargs)
+    reason = hub_unreachable()
+    if reason is None:
+        return Policy.from_pretrained(name_or_path, **kwargs)
+    try:  # a copy in the local cache still loads
+        return Policy.from_pretrained(name_or_path, local_files_only=True, **kwargs)
+    except OSError:
+        raise ConnectionError(
+            hub_error(name_or_path, key, reason, "a local save_pretrained folder (e.g. `./my-model`)")
+        ) from None
+
+
+def load_policy(
+    model: str, dtype: str | None = None, trust_remote_code: bool = False, *, key: str = "model.model"
+) -> Policy:
+    """Load the policy named by ``model`` (the config key ``key``, for messages).
 
     ``builtin:tiny-sort`` is the embedded model warm-started on the sort task; ``builtin:tiny-scratch``
-    is the same architecture freshly initialised; anything else is a hub id or a local folder passed
-    to ``from_pretrained``.
+    is the same architecture freshly initialised; anything else is a local folder or a hub id, loaded by
+    :func:`load_pretrained` (which fails at once on a missing folder or an unreachable hub).
     """
     if model == "builtin:tiny-sort":
         return Policy.from_pretrained(EMBEDDED_MODEL, dtype=dtype)
@@ -89,5 +172,5 @@ def load_policy(model: str, dtype: str | None = None, trust_remote_code: bool = 
         tokenizer = build_char_tokenizer()
         return Policy.from_config(tiny_llama_config(tokenizer), tokenizer)
     if model.startswith("builtin:"):
-        raise ValueError(f"`model.model`: unknown built-in model `{model}`; choose from {BUILTIN_MODELS}")
-    return Policy.from_pretrained(model, dtype=dtype, trust_remote_code=trust_remote_code)
+        raise ValueError(f"`{key}`: unknown built-in model `{model}`; choose from {BUILTIN_MODELS}")
+    return load_pretrained(model, dtype, trust_remote_code, key)

@@ -105,8 +105,9 @@ class Policy(TokenScorer):
 
     Args:
         model: the causal LM (a ``PreTrainedModel``, or a ``peft.PeftModel`` around one).
-        tokenizer: its tokenizer. It is switched to left padding; a missing pad token falls back
-            to the EOS token (with a warning).
+        tokenizer: its tokenizer. It is switched to left padding (generation appends on the right);
+            :meth:`save_pretrained` writes its original ``padding_side`` back. A missing pad token falls
+            back to the EOS token (with a warning).
 
     Raises:
         ValueError: if the tokenizer has no EOS token (generation could never stop).
@@ -119,6 +120,10 @@ class Policy(TokenScorer):
         if tokenizer.pad_token_id is None:
             rank_zero_warn(f"The tokenizer has no pad token: padding with EOS {tokenizer.eos_token!r}.")
             tokenizer.pad_token = tokenizer.eos_token
+        # The user's padding side, written back by save_pretrained; kept on the tokenizer too, so a Policy
+        # rebuilt around this tokenizer (e.g. after wrapping the model with PEFT) still knows it.
+        self.export_padding_side = getattr(tokenizer, "_export_padding_side", tokenizer.padding_side)
+        tokenizer._export_padding_side = self.export_padding_side
         tokenizer.padding_side = "left"  # generation appends on the right
         self.model = model
         self.tokenizer = tokenizer
@@ -135,8 +140,12 @@ class Policy(TokenScorer):
         revision: str | None = None,
         tokenizer_name_or_path: str | None = None,
         attn_implementation: str | None = None,
+        local_files_only: bool = False,
     ) -> Policy:
         """Load a hub id or a local folder with ``AutoModelForCausalLM`` and ``AutoTokenizer``.
+
+        This is the plain ``transformers`` call; ``lightning_rl.models.load_policy`` adds the checks for
+        missing folders and an unreachable hub.
 
         Args:
             name_or_path: hub id or local folder.
@@ -146,19 +155,23 @@ class Policy(TokenScorer):
             revision: branch, tag or commit of the checkpoint (and of its tokenizer).
             tokenizer_name_or_path: load the tokenizer from elsewhere.
             attn_implementation: e.g. ``"sdpa"``, ``"eager"``, ``"flash_attention_2"``.
+            local_files_only: use only local folders and the hub cache, never the network.
 
         Raises:
             ValueError: on an unknown ``dtype``.
         """
         if dtype is not None and dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or None, got {dtype!r}")
-        kwargs = {_DTYPE_KWARG: _DTYPES[dtype or "float32"], "trust_remote_code": trust_remote_code}
+        kwargs = {_DTYPE_KWARG: _DTYPES[dtype or "float32"], "trust_remote_code": trust_remote_code,
+                  "local_files_only": local_files_only}
         if revision is not None:
             kwargs["revision"] = revision
         if attn_implementation is not None:
             kwargs["attn_implementation"] = attn_implementation
+        if local_files_only:  # transformers does not pass it on to its PEFT adapter lookup (which retries)
+            kwargs["adapter_kwargs"] = {"local_files_only": True}
         model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
-        tok_kwargs = {"trust_remote_code": trust_remote_code}
+        tok_kwargs = {"trust_remote_code": trust_remote_code, "local_files_only": local_files_only}
         if tokenizer_name_or_path is None and revision is not None:
             tok_kwargs["revision"] = revision
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_name_or_path or name_or_path, **tok_kwargs)
@@ -312,7 +325,12 @@ class Policy(TokenScorer):
     def save_pretrained(self, path: str) -> None:
         """Write model and tokenizer to ``path`` (loadable with the Auto classes or ``from_pretrained``).
 
-        A PEFT model writes its adapter only (peft's format).
+        A PEFT model writes its adapter only (peft's format). The tokenizer is written with the
+        ``padding_side`` it came with (left padding is only what generation here needs).
         """
         self.model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
+        self.tokenizer.padding_side = self.export_padding_side
+        try:
+            self.tokenizer.save_pretrained(path)
+        finally:
+            self.tokenizer.padding_side = "left"

@@ -110,14 +110,14 @@ def test_stream_position_resumes_exactly(tmp_path):
     [
         (lambda rows: [{k: v for k, v in r.items() if k != "rejected"} for r in rows],
          ["data.rejected_column", "`rejected`"]),
-        (lambda rows: rows[:2] + [{**rows[2], "chosen": ""}] + rows[3:], ["row 2", "`chosen`", "empty"]),
-        (lambda rows: rows[:1] + [{**rows[1], "prompt": ""}] + rows[2:], ["row 1", "`prompt`", "empty"]),
+        (lambda rows: rows[:2] + [{**rows[2], "chosen": ""}] + rows[3:], ["line 3", "`chosen`", "empty"]),
+        (lambda rows: rows[:1] + [{**rows[1], "prompt": ""}] + rows[2:], ["line 2", "`prompt`", "empty"]),
         (lambda rows: rows[:3] + [{**rows[3], "rejected": rows[3]["chosen"]}],
-         ["row 3", "identical", "data.chosen_column"]),
+         ["line 4", "identical", "data.chosen_column", "data.skip_identical"]),
         (lambda rows: [{k: v for k, v in r.items() if k != "prompt"} for r in rows],
          ["data.prompt_column", "`prompt`"]),
         (lambda rows: [{**r, "rejected": int(r["rejected"])} for r in rows],
-         ["row 0", "`rejected`", "int 21"]),
+         ["line 1", "`rejected`", "int 21"]),
     ],
     ids=["missing-column", "empty-chosen", "empty-prompt", "identical", "missing-prompt", "not-text"],
 )
@@ -165,14 +165,14 @@ def test_implicit_prompt_is_the_shared_conversation_prefix(tmp_path):
     assert split_implicit_prompt([user], [{"role": "user", "content": "x"}]) == (
         [], [user], [{"role": "user", "content": "x"}])
     bad = [{"chosen": [user], "rejected": [{"role": "user", "content": "x"}]}]
-    with pytest.raises(ValueError, match="row 0.*share no leading prompt"):
+    with pytest.raises(ValueError, match="line 1: .*share no leading prompt"):
         make_dm(write_jsonl(tmp_path / "bad.jsonl", bad))
 
 
 def test_malformed_messages_fail(tmp_path):
     rows = [{"prompt": [{"content": "hi"}], "chosen": [{"role": "assistant", "content": "a"}],
              "rejected": [{"role": "assistant", "content": "b"}]}]
-    with pytest.raises(ValueError, match="row 0: column `prompt`"):
+    with pytest.raises(ValueError, match="line 1: column `prompt`"):
         make_dm(write_jsonl(tmp_path / "m.jsonl", rows))
 
 

@@ -102,16 +102,17 @@ def test_missing_column_names_key_and_columns_present(tmp_path):
 
 @pytest.mark.parametrize("kind", ["jsonl", "csv"])
 def test_empty_prompt_names_the_row(tmp_path, kind):
+    line = {"jsonl": 4, "csv": 5}[kind]  # 1-based file lines; the CSV header is line 1
     rows = [dict(r) for r in ROWS]
     rows[3]["question"] = ""
-    with pytest.raises(ValueError, match=r"row 3: column `question` \(data.prompt_column\) is empty"):
+    with pytest.raises(ValueError, match=rf"line {line}: column `question` \(data.prompt_column\) is empty"):
         make_dm(write(tmp_path, kind, rows))
 
 
 def test_empty_answer_names_the_row(tmp_path):
     rows = [dict(r) for r in ROWS]
     rows[5]["solution"] = None
-    with pytest.raises(ValueError, match=r"row 5: column `solution` \(data.answer_column\) is empty"):
+    with pytest.raises(ValueError, match=r"line 6: column `solution` \(data.answer_column\) is empty"):
         make_dm(write(tmp_path, "jsonl", rows))
 
 
