@@ -10,7 +10,18 @@ if __name__ != "lightning_rl.callbacks":
 from lightning_rl.callbacks.base import RLCallback  # noqa: E402
 from lightning_rl.callbacks.export import ExportPolicy  # noqa: E402
 from lightning_rl.callbacks.group_filter import DAPOGroupFilter  # noqa: E402
+from lightning_rl.callbacks.interrupt import CheckpointOnInterrupt  # noqa: E402
 from lightning_rl.callbacks.metrics import PolicyMetrics  # noqa: E402
 from lightning_rl.callbacks.old_policy import OldPolicySnapshot  # noqa: E402
+from lightning_rl.callbacks.steps import LogAtOptimizerStep, StepProgressBar  # noqa: E402
 
-__all__ = ["DAPOGroupFilter", "ExportPolicy", "OldPolicySnapshot", "PolicyMetrics", "RLCallback"]
+__all__ = [
+    "CheckpointOnInterrupt",
+    "DAPOGroupFilter",
+    "ExportPolicy",
+    "LogAtOptimizerStep",
+    "OldPolicySnapshot",
+    "PolicyMetrics",
+    "RLCallback",
+    "StepProgressBar",
+]

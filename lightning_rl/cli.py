@@ -2,21 +2,30 @@
 
     lightning-rl fit --config configs/grpo.yaml
     lightning-rl fit --config configs/grpo.yaml --trainer.strategy ddp --trainer.devices 2
+    lightning-rl fit --config configs/grpo.yaml --ckpt_path last     # resume the newest checkpoint
     lightning-rl fit --config configs/sft.yaml --print_config
 
 Models and DataModules are chosen by ``class_path`` (subclass mode), YAML is parsed with omegaconf so
 ``${...}`` interpolation works, each run's full config is saved next to its TensorBoard logs (a new
-``version_N`` folder per run, so nothing is overwritten), and TensorBoard is the default logger.
+``version_N`` folder per run, so nothing is overwritten) and logged as its hyperparameters, and TensorBoard
+is the default logger. ``--ckpt_path last`` resumes the newest checkpoint of the experiment (the logger's
+``save_dir``/``name``, across its version folders) into a new version folder.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import sys
+import zipfile
+from typing import Any
 
+import lightning as L
 import torch
+import yaml
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_rl.algorithms.base import PolicyModule
 
@@ -24,10 +33,45 @@ DEFAULT_LOGGER = {
     "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
     "init_args": {"save_dir": "runs", "name": "lightning-rl"},
 }
+# values of `--ckpt_path` that Lightning resolves itself, not paths
+CKPT_KEYWORDS = ("last", "best", "hpc")
+
+
+class ConfigError(ValueError):
+    """A run that cannot start: a value its classes reject, or a checkpoint that is missing or unreadable.
+
+    Raised before training begins; ``main`` prints it as one line and exits with status 1.
+    """
+
+
+class SaveRunConfig(SaveConfigCallback):
+    """Save the resolved config as ``config.yaml`` in the run folder and log it as the run's hyperparameters.
+
+    Without a logger there is no run folder: the config is not saved (a log line says so) rather than
+    written into the working directory, where the next run would trip over it.
+    """
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if not self.already_saved and self.save_to_log_dir and trainer.logger is None:
+            self.save_to_log_dir = False
+            rank_zero_info("`trainer.logger` is off, so the run has no folder: its config is not saved "
+                           "(`--print_config` prints it)")
+        super().setup(trainer, pl_module, stage)
+
+    def save_config(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Rank zero: the config, as written to ``config.yaml``, becomes the loggers' hyperparameters."""
+        config = yaml.safe_load(self.parser.dump(self.config, skip_none=False))
+        for logger in trainer.loggers:
+            logger.log_hyperparams(config)
 
 
 class LightningRLCLI(LightningCLI):
-    """LightningCLI with lightning-rl's defaults."""
+    """LightningCLI with lightning-rl's defaults.
+
+    Errors raised while building the model, DataModule or trainer come out as :class:`ConfigError` with
+    the original message (not jsonargparse's dump of the whole config); so do a ``--ckpt_path`` that is
+    not a checkpoint and a ``--ckpt_path last`` with nothing to resume.
+    """
 
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
         super().__init__(
@@ -37,9 +81,84 @@ class LightningRLCLI(LightningCLI):
             subclass_mode_data=True,
             parser_kwargs={"parser_mode": "omegaconf"},
             trainer_defaults={"logger": DEFAULT_LOGGER},
+            # a rerun into a named version folder replaces its config instead of failing
+            save_config_callback=SaveRunConfig,
+            save_config_kwargs={"overwrite": True},
             args=args,
             run=run,
         )
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        # before LightningCLI reads the checkpoint's hyperparameters with torch.load
+        if self.config.get("subcommand"):
+            check_checkpoint_file(self.config[self.config.subcommand].get("ckpt_path"))
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except Exception as err:
+            origin = unwrap_jsonargparse(err)
+            if isinstance(origin, (ValueError, TypeError, OSError, ImportError)):
+                raise ConfigError(f"{type(origin).__name__}: {origin}") from origin
+            raise origin from None
+        if self.subcommand is not None and self.config_init[self.subcommand].get("ckpt_path") == "last":
+            path = find_last_checkpoint(self.trainer)
+            rank_zero_info(f"`--ckpt_path last`: resuming from {path}")
+            self.config_init[self.subcommand]["ckpt_path"] = path
+            self.config[self.subcommand]["ckpt_path"] = path  # what config.yaml records
+
+
+def unwrap_jsonargparse(err: BaseException) -> BaseException:
+    """The error a class raised, out of jsonargparse's "Does not validate against any of the Union subtypes
+    ... Given value: Namespace(...)" wrapper: the first in the chain not raised inside jsonargparse."""
+    seen: BaseException | None = err
+    while seen is not None:
+        tb = seen.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is None or f"{os.sep}jsonargparse{os.sep}" not in tb.tb_frame.f_code.co_filename:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return err
+
+
+def check_checkpoint_file(path: str | None) -> None:
+    """Fail with one line naming ``path`` unless it can be a checkpoint (``torch.save`` writes zip archives).
+
+    Keywords (``last``...), URLs and folders (sharded checkpoints) are left to Lightning.
+    """
+    if path is None or path in CKPT_KEYWORDS or "://" in str(path) or os.path.isdir(path):
+        return
+    if not os.path.exists(path):
+        raise ConfigError(f"checkpoint {path} not found")
+    if os.path.getsize(path) == 0:
+        raise ConfigError(f"{path} is not a valid checkpoint: the file is empty")
+    if not zipfile.is_zipfile(path):
+        raise ConfigError(f"{path} is not a valid checkpoint: not an archive written by torch.save "
+                          "(truncated or corrupt?)")
+
+
+def checkpoint_folders(trainer: L.Trainer) -> list[str]:
+    """Where this experiment's checkpoints live: the folders of ModelCheckpoints given a ``dirpath``, and
+    ``<save_dir>/<name>/*/checkpoints`` of the first logger (every version), as Lightning lays them out."""
+    folders = [cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
+    if trainer.loggers:
+        logger = trainer.loggers[0]
+        save_dir = logger.save_dir if logger.save_dir is not None else trainer.default_root_dir
+        folders.append(os.path.join(save_dir, str(logger.name), "*", "checkpoints"))
+    else:
+        folders.append(os.path.join(trainer.default_root_dir, "checkpoints"))
+    return [str(f) for f in folders]
+
+
+def find_last_checkpoint(trainer: L.Trainer) -> str:
+    """The newest ``*.ckpt`` (by modification time) in :func:`checkpoint_folders`."""
+    folders = checkpoint_folders(trainer)
+    found = [p for folder in folders for p in glob.glob(os.path.join(folder, "*.ckpt")) if os.path.isfile(p)]
+    if not found:
+        raise ConfigError(f"`--ckpt_path last`: no checkpoint to resume in {' or '.join(folders)}")
+    return max(found, key=os.path.getmtime)
 
 
 def main(args: list[str] | None = None) -> None:
@@ -48,7 +167,10 @@ def main(args: list[str] | None = None) -> None:
     threads = os.environ.get("LRL_NUM_THREADS")
     if threads:
         torch.set_num_threads(int(threads))
-    LightningRLCLI(args=args if args is not None else sys.argv[1:])
+    try:
+        LightningRLCLI(args=args)  # None: LightningCLI reads sys.argv itself
+    except ConfigError as err:
+        sys.exit(f"lightning-rl: error: {err}")
 
 
 if __name__ == "__main__":

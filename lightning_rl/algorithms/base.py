@@ -127,10 +127,21 @@ class PolicyModule(L.LightningModule):
             self._rng_states = None
 
     def configure_callbacks(self) -> list[L.Callback]:
-        """Export the final policy unless the user configured an ``ExportPolicy`` of their own."""
-        from lightning_rl.callbacks.export import ExportPolicy
+        """What every run gets unless the user configured the same callback: the final policy's export, a
+        checkpoint on Ctrl-C / SIGTERM, logging at optimiser steps, and Lightning's stock progress bar
+        swapped for one that counts optimiser steps (a progress bar of another class is left alone)."""
+        from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
-        return [] if has_callback(self.trainer, ExportPolicy) else [ExportPolicy()]
+        from lightning_rl import callbacks as cbs
+
+        wanted = [cbs.ExportPolicy(), cbs.CheckpointOnInterrupt(), cbs.LogAtOptimizerStep()]
+        callbacks = [cb for cb in wanted if not has_callback(self.trainer, type(cb))]
+        bar = self.trainer.progress_bar_callback
+        if type(bar) in (TQDMProgressBar, RichProgressBar):
+            # removed here rather than overridden by type, which only covers subclasses (Rich is the default)
+            self.trainer.callbacks.remove(bar)
+            callbacks.append(cbs.StepProgressBar(refresh_rate=bar.refresh_rate))
+        return callbacks
 
     def configure_optimizers(self) -> Any:
         optimizer = self.optimizer_factory(self.policy.parameters())
