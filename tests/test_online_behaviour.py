@@ -264,7 +264,7 @@ def test_prompt_length_limit_counts_rendered_tokens(tmp_path):
     # "12345=" is 6 tokens, "<bos><user>12345=<assistant>" 1 + 6 + 6 + 11 = 24 > 20: fails before training
     module = make(model=templated_model(tmp_path), chat_template=True, max_prompt_length=20)
     trainer = make_trainer(tmp_path, max_steps=1)
-    message = r"train row 0: prompt is 24 tokens, longer than `model.max_prompt_length`=20"
+    message = r"train prompt at row index 0 is 24 tokens, longer than `model.max_prompt_length`=20"
     with pytest.raises(ValueError, match=message):
         trainer.fit(module, datamodule())
     assert trainer.global_step == 0

@@ -524,9 +524,18 @@ def test_long_prompt_fails_in_on_fit_start_naming_the_row(tmp_path):
     module = make(reward_fns=[f"{HERE}:counting_reward"])
     steps = []
     module.training_step = lambda *a, **k: steps.append(1)
-    fit_expecting(module, tmp_path, ValueError, r"train row 2: prompt is 20 tokens, longer than "
-                                                r"`model.max_prompt_length`=16", dm=dm)
+    fit_expecting(module, tmp_path, ValueError, r"train prompt at line 3 of .*p\.jsonl is 20 tokens, "
+                                                r"longer than `model.max_prompt_length`=16", dm=dm)
     assert steps == [] and CALLS["n"] == 0  # before any training step or generation
+
+
+def test_long_prompt_is_found_past_the_first_thousand_rows(tmp_path):
+    # the check works in chunks of 1024 prompts: a long one in the second chunk must be found too
+    prompts = ["12345="] * 1500
+    prompts[1400] = "1234567890123456789="
+    dm = PromptDataModule(path=str(write_jsonl(tmp_path / "p.jsonl", prompts)), batch_size=2)
+    message = r"train prompt at line 1401 of .*p\.jsonl is 20 tokens"
+    fit_expecting(make(), tmp_path, ValueError, message, dm=dm)
 
 
 def bos_model(tmp_path) -> Path:

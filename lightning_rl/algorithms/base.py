@@ -91,28 +91,37 @@ class PolicyModule(L.LightningModule):
         self.check_prompt_lengths()
 
     def check_prompt_lengths(self) -> None:
-        """Fail before the first step if any train / val prompt exceeds ``max_prompt_length``."""
+        """Fail before the first step if any train / val prompt exceeds ``max_prompt_length``, naming
+        the file line (or row index) of the first one."""
+        from lightning_rl.data.prompts import row_locator
+
         dm = getattr(self.trainer, "datamodule", None)
-        for split in ("train_rows", "val_rows"):
-            rows = getattr(dm, split, None) or []
+        sources = {"train": getattr(dm, "path", None), "val": getattr(dm, "val_path", None)}
+        for split, source in sources.items():
+            rows = getattr(dm, f"{split}_rows", None) or []
             for start in range(0, len(rows), 1024):
                 chunk = [r["prompt"] for r in rows[start : start + 1024]]
-                texts = render_prompts(self.tokenizer, chunk, self.chat_template)
-                special = self.add_special_tokens(chunk)  # count exactly what encode_prompts will feed
-                lengths = [0] * len(texts)
-                for flag in (True, False):  # one batched call per setting
-                    rows = [i for i, f in enumerate(special) if f == flag]
-                    if not rows:
-                        continue
-                    encoded = self.tokenizer([texts[i] for i in rows], add_special_tokens=flag)["input_ids"]
-                    for i, ids in zip(rows, encoded, strict=True):
-                        lengths[i] = len(ids)
-                for i, n in enumerate(lengths):
+                for i, n in enumerate(self.prompt_lengths(chunk)):
                     if n > self.max_prompt_length:
+                        where = row_locator(source)(start + i) + (f" of {source}" if source else "")
                         raise ValueError(
-                            f"{split[:-5]} row {start + i}: prompt is {n} tokens, longer than "
+                            f"{split} prompt at {where} is {n} tokens, longer than "
                             f"`model.max_prompt_length`={self.max_prompt_length}"
                         )
+
+    def prompt_lengths(self, prompts: Sequence[Any]) -> list[int]:
+        """Token counts of ``prompts`` exactly as ``encode_prompts`` will feed them (one batched call per
+        special-token setting)."""
+        texts = render_prompts(self.tokenizer, prompts, self.chat_template)
+        special = self.add_special_tokens(prompts)
+        lengths = [0] * len(texts)
+        for flag in (True, False):
+            index = [i for i, f in enumerate(special) if f == flag]
+            if index:
+                encoded = self.tokenizer([texts[i] for i in index], add_special_tokens=flag)["input_ids"]
+                for i, ids in zip(index, encoded, strict=True):
+                    lengths[i] = len(ids)
+        return lengths
 
     # ---- checkpoints: RNG states travel with the weights, optimiser and data position -------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
