@@ -10,10 +10,15 @@ the modules leave weight-0 rows out of their metrics (``lightning_rl.algorithms.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 from torch.utils.data import IterableDataset
+
+# Lightning warns that `__len__` of an IterableDataset may be wrong with several loader workers; the
+# shard is read in the main process (num_workers=0), where its length is exact.
+warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
 
 VAL_WEIGHT_KEY = "_weight"  # per-row weight of a validation batch: 1 for a held-out row, 0 for padding
 
