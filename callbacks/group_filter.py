@@ -22,6 +22,14 @@ class DAPOGroupFilter(RLCallback):
     verifiable correctness (``rollout.correct``), never on a shaped reward, so an overlong penalty
     cannot make an all-wrong group look informative.
 
+    The number of rounds is agreed by all ranks: before each refill, a "this rank needs more groups"
+    flag is all-reduced (max), and every rank generates another round while *any* rank needs one. A
+    rank that is already full generates too (its extra groups are trimmed off): under sharded
+    strategies ``generate`` is itself a collective, and every rank draws the same refill batches, so
+    the refill stream stays aligned across ranks and the ranks' refill prompts never overlap. Every
+    rank thus makes one all-reduce per refill decision (at most ``max_gen_batches - 1``) and the same
+    number of generation rounds.
+
     Logs ``rollout/filtered_group_frac`` (dropped / generated groups) and ``rollout/gen_batches``.
 
     Args:
@@ -37,6 +45,14 @@ class DAPOGroupFilter(RLCallback):
         groups = dapo_group_keep(rollout.correct, group_size)
         return rollout.select(groups.repeat_interleave(group_size))
 
+    @staticmethod
+    def any_rank_needs_more(trainer: L.Trainer | None, need: bool, device: torch.device) -> bool:
+        """Whether any rank still lacks groups: an all-reduce (max) of ``need`` on every rank."""
+        if trainer is None:  # unit tests drive the filter without a trainer: one process
+            return need
+        flag = torch.tensor(float(need), device=device)
+        return bool(trainer.strategy.reduce(flag, reduce_op="max") > 0)
+
     def on_rollout_scored(
         self, trainer: L.Trainer, pl_module: Any, rollout: Rollout
     ) -> tuple[Rollout, dict[str, float]]:
@@ -44,7 +60,11 @@ class DAPOGroupFilter(RLCallback):
         target = rollout.num_groups
         kept = [self.keep(rollout, G)]
         generated, rounds, stats = target, 1, {}
-        while sum(len(k) for k in kept) < target * G and rounds < self.max_gen_batches:
+        device = rollout.rewards.device
+        while rounds < self.max_gen_batches:
+            need = sum(len(k) for k in kept) < target * G
+            if not self.any_rank_needs_more(trainer, need, device):
+                break
             more, more_stats = pl_module.generate_and_score(pl_module.draw_prompts())
             stats = {k: stats.get(k, 0.0) + v for k, v in more_stats.items()}
             kept.append(self.keep(more, G))

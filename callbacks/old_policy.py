@@ -23,8 +23,9 @@ class OldPolicySnapshot(RLCallback):
         self.forward_passes = 0  # how many snapshots were computed (tests and logs read it)
 
     def on_rollout_end(self, trainer: L.Trainer, pl_module: Any, rollout: Rollout) -> None:
-        if pl_module.updates_per_rollout == 1 or len(rollout) == 0:
+        if pl_module.updates_per_rollout == 1:
             rollout.old_logp = None
             return
+        # an empty rollout still calls logprobs: under FSDP2 its forwards are collective on every rank
         rollout.old_logp = pl_module.logprobs(rollout)
         self.forward_passes += 1

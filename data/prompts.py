@@ -391,12 +391,32 @@ class PromptDataModule(RowsDataModule):
         return next(self._refill)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "refills_consumed": self.refills_consumed}
+        """The main stream's position and the refill stream's, for every rank.
+
+        Lightning saves the checkpoint that rank 0 built, so a position kept per rank must travel in
+        it: with several ranks, every rank's refill position is gathered (an all-gather: Lightning
+        builds the checkpoint on every rank) into ``refills_consumed_by_rank``, and each rank
+        restores its own. ``refills_consumed`` stays this rank's position (rank 0's in the file).
+        """
+        state = {**super().state_dict(), "refills_consumed": self.refills_consumed}
+        trainer = self.trainer
+        if trainer is not None and trainer.world_size > 1:
+            device = trainer.strategy.root_device
+            mine = torch.tensor([self.refills_consumed], dtype=torch.long, device=device)
+            state["refills_consumed_by_rank"] = [int(x) for x in trainer.strategy.all_gather(mine).flatten()]
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the positions; each rank takes its own refill position. Resumed on another world
+        size, every rank continues after the furthest one (refill batches are laid out per world size
+        anyway, so no position is exact then, and none is reused)."""
         super().load_state_dict(state_dict)
-        self.refills_consumed = int(state_dict.get("refills_consumed", 0))
+        by_rank = state_dict.get("refills_consumed_by_rank")
+        rank, world = self.rank_and_world()
+        if by_rank and len(by_rank) == world:
+            self.refills_consumed = int(by_rank[rank])
+        elif by_rank:
+            self.refills_consumed = max(int(x) for x in by_rank)
+        else:
+            self.refills_consumed = int(state_dict.get("refills_consumed", 0))
         self._refill = None
-
-
-

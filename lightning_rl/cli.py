@@ -15,6 +15,7 @@ is the default logger. ``--ckpt_path last`` resumes the newest checkpoint of the
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import sys
 import zipfile
@@ -95,6 +96,7 @@ class LightningRLCLI(LightningCLI):
             check_checkpoint_file(self.config[self.config.subcommand].get("ckpt_path"))
 
     def instantiate_classes(self) -> None:
+        check_strategy_installed(self.config[self.subcommand] if self.subcommand else self.config)
         try:
             super().instantiate_classes()
         except Exception as err:
@@ -121,6 +123,16 @@ def unwrap_jsonargparse(err: BaseException) -> BaseException:
             return seen
         seen = seen.__cause__ or seen.__context__
     return err
+
+
+def check_strategy_installed(config: Any) -> None:
+    """Name the extra to install when ``trainer.strategy`` is DeepSpeed and the package is absent (Lightning's
+    own error comes wrapped in jsonargparse's dump of the whole config)."""
+    strategy = config.get("trainer", {}).get("strategy") if hasattr(config, "get") else None
+    name = strategy if isinstance(strategy, str) else str(getattr(strategy, "class_path", strategy) or "")
+    if "deepspeed" in name.lower() and importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("`trainer.strategy` needs DeepSpeed installed: "
+                          "pip install 'lightning-rl[deepspeed]' (DeepSpeed runs on CUDA devices only)")
 
 
 def check_checkpoint_file(path: str | None) -> None:

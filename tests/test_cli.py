@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lightning_rl.algorithms import PolicyModule
 from lightning_rl.cli import LightningRLCLI
 
-ALL_CONFIGS = sorted(p for p in CONFIGS.rglob("*.yaml"))
+ALL_CONFIGS = sorted(CONFIGS.glob("*.yaml"))  # strategy overlays and examples: tests/test_overlays.py
 
 
 def test_configs_exist():

@@ -19,6 +19,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_rl.data.validation import VAL_WEIGHT_KEY
 from lightning_rl.models import load_policy
 from lightning_rl.rewards import import_reward
+from lightning_rl.sharding import (
+    needs_synced_generation,
+    refuse_fsdp1,
+    shard_policy_model,
+    validate_fsdp_args,
+)
 
 
 def render_prompts(tokenizer: Any, prompts: Sequence[Any], chat_template: bool) -> list[str]:
@@ -55,6 +61,11 @@ class PolicyModule(L.LightningModule):
         accuracy_fn: ``module:function`` scoring greedy validation completions; ``val/accuracy`` is its mean.
         optimizer: optimiser factory (YAML ``class_path`` + ``init_args``); AdamW by default.
         lr_scheduler: optional LR scheduler factory, stepped once per optimiser step.
+        fsdp_cpu_offload: under FSDP2 (``ModelParallelStrategy``), keep the sharded parameters, gradients
+            and optimiser state in CPU memory.
+        fsdp_param_dtype: under FSDP2, the compute dtype of gathered parameters (``MixedPrecisionPolicy``);
+            ``None`` keeps the weights' dtype.
+        fsdp_reduce_dtype: under FSDP2, the dtype of the gradient reduce-scatter; ``None``: the param dtype.
     """
 
     def __init__(
@@ -69,8 +80,12 @@ class PolicyModule(L.LightningModule):
         accuracy_fn: str = "lightning_rl.rewards:exact_match",
         optimizer: OptimizerCallable = torch.optim.AdamW,
         lr_scheduler: LRSchedulerCallable | None = None,
+        fsdp_cpu_offload: bool = False,
+        fsdp_param_dtype: str | None = None,
+        fsdp_reduce_dtype: str | None = None,
     ) -> None:
         super().__init__()
+        validate_fsdp_args(fsdp_param_dtype, fsdp_reduce_dtype)
         if max_prompt_length < 1 or max_new_tokens < 1:
             raise ValueError("`model.max_prompt_length` and `model.max_new_tokens` must be >= 1")
         self.policy = load_policy(model, dtype, trust_remote_code)
@@ -80,12 +95,27 @@ class PolicyModule(L.LightningModule):
         self.max_prompt_length, self.max_new_tokens = max_prompt_length, max_new_tokens
         self.accuracy_fn = import_reward(accuracy_fn)
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
+        self.fsdp_cpu_offload = fsdp_cpu_offload
+        self.fsdp_param_dtype, self.fsdp_reduce_dtype = fsdp_param_dtype, fsdp_reduce_dtype
 
     @property
     def tokenizer(self) -> Any:
         return self.policy.tokenizer
 
     # ---- setup -------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """FSDP2: ``fully_shard`` each decoder layer, then the policy's model, on the data-parallel mesh.
+
+        Only under ``ModelParallelStrategy`` (which sets ``device_mesh``); idempotent. The frozen reference
+        stays whole on each rank (see ``lightning_rl.sharding``). Lightning's FSDP1 strategy is refused.
+        """
+        refuse_fsdp1(self.trainer.strategy)
+        mesh = self.device_mesh
+        if mesh is None:
+            return
+        shard_policy_model(self.policy.model, mesh, cpu_offload=self.fsdp_cpu_offload,
+                           param_dtype=self.fsdp_param_dtype, reduce_dtype=self.fsdp_reduce_dtype)
+
     def on_fit_start(self) -> None:
         self.policy.train()  # HF models load in eval mode and Lightning keeps it
         self.check_prompt_lengths()
@@ -177,7 +207,9 @@ class PolicyModule(L.LightningModule):
     def greedy(self, prompts: Sequence[Any]) -> tuple[list[str], list[int]]:
         """Greedy completions of ``prompts`` and their lengths in tokens (EOS included)."""
         ids, mask = self.encode_prompts(prompts)
-        gen = self.policy.generate(ids, mask, max_new_tokens=self.max_new_tokens, do_sample=False)
+        synced = needs_synced_generation(self._trainer, self.policy.model)  # ranks' lengths may differ
+        gen = self.policy.generate(ids, mask, max_new_tokens=self.max_new_tokens, do_sample=False,
+                                   synced_gpus=synced)
         return self.decode(gen.completion_ids, gen.completion_mask), gen.lengths.tolist()
 
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:

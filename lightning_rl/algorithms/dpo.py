@@ -25,6 +25,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_rl.algorithms.base import PolicyModule, batch_columns, real_rows
 from lightning_rl.data.preference import EncodedPairs, encode_pairs
 from lightning_rl.losses import DPO_LOSS_TYPES, DPOLossType, aggregate, dpo_loss
+from lightning_rl.sharding import needs_synced_generation
 
 REFERENCE = "reference"
 
@@ -201,15 +202,20 @@ class DPO(PolicyModule):
 
     # ---- loop hooks --------------------------------------------------------------------------
     def training_step(self, batch: dict[str, list], batch_idx: int) -> torch.Tensor:
+        """One DPO step. Train metrics are means over all ranks (``sync_dist``), not rank 0's: every rank
+        logs the same, config-determined names each step, so the all-reduces pair up. Each rank holds
+        ``batch_size`` pairs (the training stream never yields a short batch), so the plain mean over
+        ranks is the mean over all pairs."""
         enc = self.encode(batch)
         loss, metrics = self.pair_loss(batch, enc)
         n = len(batch["prompt"])
-        self.log("train/loss", loss, batch_size=n, prog_bar=True)
-        for name, value in metrics.items():
-            self.log("train/nll" if name == "nll" else name, value, batch_size=n,
-                     prog_bar=name == "rewards/accuracy")
-        self.log("data/prompt_truncated", float(enc.prompt_truncated), batch_size=n)
-        self.log("data/completion_truncated", float(enc.completion_truncated), batch_size=n)
+        values = {"train/loss": loss.detach(),
+                  **{"train/nll" if k == "nll" else k: v for k, v in metrics.items()},
+                  "data/prompt_truncated": float(enc.prompt_truncated),
+                  "data/completion_truncated": float(enc.completion_truncated)}
+        for name, value in values.items():
+            self.log(name, value, batch_size=n, sync_dist=True,
+                     prog_bar=name in ("train/loss", "rewards/accuracy"))
         return loss
 
     val_prog_bar = ("val/accuracy", "val/rewards/accuracy", "val/logps/accuracy")
@@ -228,7 +234,8 @@ class DPO(PolicyModule):
         """``val/accuracy``: greedy completions of the (truncated) prompts scored by ``accuracy_fn``."""
         n = len(batch["prompt"])
         gen = self.policy.generate(
-            enc.prompt_ids[:n], enc.prompt_mask[:n], max_new_tokens=self.max_new_tokens, do_sample=False
+            enc.prompt_ids[:n], enc.prompt_mask[:n], max_new_tokens=self.max_new_tokens, do_sample=False,
+            synced_gpus=needs_synced_generation(self._trainer, self.policy.model),  # ranks' lengths differ
         )
         completions = self.decode(gen.completion_ids, gen.completion_mask)
         scores = self.correct(batch["prompt"], completions, batch_columns(batch))

@@ -39,6 +39,14 @@ from lightning_rl.losses import (
 from lightning_rl.objective import Objective
 from lightning_rl.rewards import RewardScorer, RewardScores, import_reward, overlong_reward
 from lightning_rl.rollout import Rollout, exclude_nonfinite, merge_stats
+from lightning_rl.sharding import (
+    agreed_count,
+    full_value,
+    is_sharded,
+    needs_synced_generation,
+    no_gradient_sync,
+    zero_loss,
+)
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +192,10 @@ class OnlineRL(PolicyModule):
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
+        if type(self.trainer.strategy).__name__ == "DeepSpeedStrategy" and self.max_grad_norm is not None:
+            # Lightning leaves clipping to DeepSpeed there: say so rather than ignore the setting silently
+            warn_rank_zero("`model.max_grad_norm` is not applied under DeepSpeed: set `gradient_clipping` in "
+                           "the DeepSpeed config (configs/strategy/deepspeed_zero*.yaml) instead")
         self.policy.disable_dropout()  # log-probs must match what sampling saw
         if self._reference is not None:
             self._reference.to(self.device)
@@ -276,12 +288,15 @@ class OnlineRL(PolicyModule):
     def logprobs(self, rollout: Rollout, model: Any = None) -> torch.Tensor:
         """Log-probs of the rollout's completions under ``model`` (default: the policy), micro-batched."""
         model = model if model is not None else self.policy
-        size = self.micro_batch_size or len(rollout)
+        size = self.micro_batch_size or max(len(rollout), 1)
         out = []
         for part in rollout.minibatches(size):
             logp, _ = model.token_logprobs(part.prompt_ids, part.prompt_mask, part.completion_ids,
                                            part.completion_mask, **self.scoring_kwargs)
             out.append(logp)
+        if model is self.policy:  # a sharded policy's forward is collective: as many on every rank
+            for _ in range(agreed_count(self.trainer, self.policy.model, len(out)) - len(out)):
+                zero_loss(self.policy)
         if not out:
             return rollout.completion_mask.new_zeros(rollout.completion_mask.shape).float()
         return torch.cat(out, 0)
@@ -293,9 +308,8 @@ class OnlineRL(PolicyModule):
 
     @property
     def sync_generation(self) -> bool:
-        """Sharded models must keep generating on every rank until all ranks finish."""
-        sharded = ("ModelParallelStrategy", "FSDPStrategy", "DeepSpeedStrategy")
-        return type(self.trainer.strategy).__name__ in sharded
+        """Sharded models must keep generating on every rank until all ranks finish (greedy too)."""
+        return needs_synced_generation(self._trainer, self.policy.model)
 
     def collect_rollout(self, batch: dict[str, list]) -> tuple[Rollout, dict[str, float]]:
         """Generate, score, filter (callbacks), then add reference log-probs when a KL term is on."""
@@ -343,13 +357,15 @@ class OnlineRL(PolicyModule):
         world = self.trainer.world_size
         size = self.micro_batch_size or max(len(minibatch), 1)
         micros = list(minibatch.minibatches(size)) or [minibatch]
+        # sharded: every rank runs as many micro-batches (the extra ones empty, joining with a zero loss)
+        missing = agreed_count(self.trainer, self.policy.model, len(micros)) - len(micros)
+        micros += [minibatch.select(torch.arange(0, device=minibatch.completion_ids.device))] * missing
         opt.zero_grad()
         for i, micro in enumerate(micros):
             sync = contextlib.nullcontext() if i == len(micros) - 1 else self.no_sync()
             with sync:
                 if len(micro) == 0:  # this rank has nothing, but must join the gradient all-reduce
-                    zero = sum(p.sum() * 0.0 for p in self.policy.parameters() if p.requires_grad)
-                    self.manual_backward(zero)
+                    self.manual_backward(zero_loss(self.policy))
                     continue
                 loss, metrics = self.micro_loss(micro, num_tokens, num_seqs)
                 # data-parallel strategies average gradients over ranks; the normalisers are already global
@@ -370,8 +386,14 @@ class OnlineRL(PolicyModule):
             return
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
-        self.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm, gradient_clip_algorithm="norm")
+        norm = full_value(norm)  # FSDP2: a DTensor of partial norms; the global norm on every rank
+        if is_sharded(self.policy.model):
+            # clip_grad_norm_ reduces the DTensor norm over the mesh itself: the same clip on every shard
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        else:
+            self.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm,
+                                gradient_clip_algorithm="norm")
         for cb in self.rl_callbacks():
             cb.on_update_end(self.trainer, self, {"policy/grad_norm": norm.detach()}, 1.0)
 
@@ -383,6 +405,8 @@ class OnlineRL(PolicyModule):
 
     def no_sync(self) -> Any:
         """Skip the gradient all-reduce of a data-parallel wrapper (all but the last micro-batch)."""
+        if is_sharded(self.policy.model):  # FSDP2: no wrapper; the policy's model is the sharded root
+            return no_gradient_sync(self.policy.model)
         wrapped = getattr(self.trainer.strategy, "model", None)
         if wrapped is self or not hasattr(wrapped, "no_sync"):  # single device: strategy.model is this module
             return contextlib.nullcontext()

@@ -1,0 +1,85 @@
+"""One RL update on a fixed rollout, on 1 process or under FSDP2 on 2 gloo ranks; rank 0 saves the gradients.
+
+    python tests/fsdp2_update.py OUT.pt DEVICES MICRO_BATCH_SIZE [SPLIT]
+
+The rollout of tests/ddp_update.py (16 rows, ranks take rows ``rank::world`` so they hold different
+numbers of tokens). ``SPLIT=rank0``: rank 0 takes rows ``0::2`` and rank 1 none (its empty micro-batch
+must still join the reduce-scatter); one process then takes rows ``0::2``. Under FSDP2 the sharded
+gradients are gathered with ``full_tensor()`` (on every rank, in the same order). Gradients are clipped
+(``max_grad_norm``), so the global norm is checked too; the logged ``policy/grad_norm`` of each update
+is saved with its type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from functools import partial
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from lightning_rl.algorithms import GRPO
+from lightning_rl.data import PromptDataModule
+from lightning_rl.sharding import full_value, is_sharded
+
+sys.path.insert(0, os.path.dirname(__file__))
+from ddp_update import fixed_rollout  # noqa: E402
+
+SPLIT = sys.argv[4] if len(sys.argv) > 4 else "strided"
+
+
+class NormRecorder:
+    def __init__(self) -> None:
+        self.norms: list[tuple[str, float]] = []
+
+    def on_update_end(self, trainer, module, metrics, share) -> None:
+        if "policy/grad_norm" in metrics:
+            norm = metrics["policy/grad_norm"]
+            self.norms.append((type(norm).__name__, float(norm)))
+
+
+class Probe(GRPO):
+    def rl_callbacks(self):
+        if not hasattr(self, "recorder"):
+            self.recorder = NormRecorder()
+        return [self.recorder]
+
+    def training_step(self, batch, batch_idx):
+        rollout = fixed_rollout(self)
+        world, rank = self.trainer.world_size, self.global_rank
+        grads = {}
+        for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
+            self.objective = dataclasses.replace(self.objective, aggregation=mode)
+            if SPLIT == "rank0":
+                rows = torch.arange(0, len(rollout), 2) if rank == 0 else torch.arange(0)
+            else:
+                rows = torch.arange(rank, len(rollout), world)
+            self.update(rollout.select(rows))
+            grads[mode] = {n: full_value(p.grad).detach().clone() for n, p in self.policy.named_parameters()}
+        if rank == 0:
+            result = {"grads": grads, "norms": self.recorder.norms, "sharded": is_sharded(self.policy.model)}
+            torch.save(result, sys.argv[1])
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    out, devices, micro = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    module = Probe(model="builtin:tiny-sort", max_new_tokens=8, max_prompt_length=16, num_generations=4,
+                   micro_batch_size=None if micro == "none" else int(micro),
+                   clip_low=0.2, clip_high=0.28, kl_coef=0.1, max_grad_norm=0.05,
+                   optimizer=partial(torch.optim.SGD, lr=0.0))
+    strategy = "auto"
+    if devices > 1:
+        strategy = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy,
+                        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                        default_root_dir=os.path.dirname(out))
+    trainer.fit(module, PromptDataModule(batch_size=2))
+
+
+if __name__ == "__main__":
+    main()

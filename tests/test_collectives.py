@@ -1,0 +1,172 @@
+"""Collectives are symmetric by construction (DESIGN.md, "Scaling out"): every rank makes the same
+collective calls every step whatever its data. Multi-process runs are tests/ddp_collectives.py on 2 gloo
+ranks, each under a hard timeout (a hung gloo rank ignores SIGTERM: its session is killed)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_online_rl import fake_rollout
+
+from lightning_rl.callbacks import DAPOGroupFilter, PolicyMetrics
+from lightning_rl.data import PromptDataModule
+
+SCRIPT = Path(__file__).with_name("ddp_collectives.py")
+
+
+def _launch(out: Path, mode: str, devices: int = 2, *args: str, timeout: int = 240) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLLECTIVES_MODE": mode}
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(out), str(devices), *args], cwd=out.parent,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        pytest.fail(f"{mode}: DDP run hung (killed after {timeout}s)")
+    assert proc.returncode == 0, log.decode()[-3000:]
+    return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(devices)]
+
+
+# ------------------------------------------------------------------------------ unit: one process
+class FakeStrategy:
+    """Stands in for a 2-rank ``reduce(max)``: the other rank needs more for its first ``other`` rounds."""
+
+    def __init__(self, other: int) -> None:
+        self.other, self.calls = other, 0
+
+    def reduce(self, tensor, reduce_op):
+        assert reduce_op == "max"
+        self.calls += 1
+        return torch.maximum(tensor, torch.tensor(float(self.calls <= self.other)))
+
+
+class FakeModule:
+    def __init__(self, rounds):
+        self.num_generations, self.rounds, self.draws = 2, list(rounds), 0
+
+    def draw_prompts(self):
+        self.draws += 1
+        return {"prompt": ["x"]}
+
+    def generate_and_score(self, batch):
+        return self.rounds.pop(0), {}
+
+
+def test_filter_generates_while_any_rank_needs_more():
+    first = fake_rollout([[1, 0], [0, 1]], tag=0)  # this rank is full after one round
+    more = [fake_rollout([[1, 0], [0, 0]], tag=t) for t in (1, 2, 3)]
+    strategy = FakeStrategy(other=2)
+    module = FakeModule(more)
+    out, stats = DAPOGroupFilter(max_gen_batches=4).on_rollout_scored(
+        SimpleNamespace(strategy=strategy), module, first)
+    # the other rank needed 2 more rounds: this one generated them too (a collective under FSDP2), and
+    # asked a third time, when nobody needed more
+    assert module.draws == 2 and strategy.calls == 3 and stats["rollout/gen_batches"] == 3.0
+    assert out.lengths.tolist() == [0, 1, 2, 3]  # its own full first round; the extra groups trimmed
+    # at max_gen_batches nobody asks again: the same number of reduces on every rank
+    strategy, module = FakeStrategy(other=10), FakeModule(more)
+    DAPOGroupFilter(max_gen_batches=3).on_rollout_scored(SimpleNamespace(strategy=strategy), module, first)
+    assert module.draws == 2 and strategy.calls == 2
+
+
+class LogModule:
+    device = torch.device("cpu")
+    num_generations = 2
+
+    def __init__(self):
+        self.logged: dict[str, float] = {}
+
+    def log(self, name, value, **_):
+        self.logged[name] = float(value)
+
+
+def test_metrics_compute_every_known_name_every_step():
+    cb, module = PolicyMetrics(), LogModule()
+    cb.on_update_end(None, module, {"policy/loss": 2.0, "policy/entropy": 1.0}, 1.0)
+    cb.on_step_end(None, module, {"rollout/gen_batches": 1.0})
+    assert module.logged == {"policy/loss": 2.0, "policy/entropy": 1.0, "rollout/gen_batches": 1.0}
+    computed = []
+    for name, metric in cb.metrics.items():
+        metric.compute = (lambda m, n: lambda: computed.append(n) or m())(metric.compute, name)
+    # a step where this rank had no data: every known name still joins the reduction, in one order
+    module.logged = {}
+    cb.on_update_end(None, module, {"policy/entropy": float("nan")}, 1.0)  # NaN inputs are ignored
+    cb.on_step_end(None, module, {"rollout/gen_batches": 3.0})
+    assert computed == ["policy/entropy", "policy/loss", "rollout/gen_batches"]
+    # nobody had data: nothing logged for those names (never a NaN), the rest as usual
+    assert module.logged == {"rollout/gen_batches": 3.0}
+    assert all(not math.isnan(v) for v in module.logged.values())
+
+
+def test_state_dict_keeps_every_ranks_refill_position():
+    def fake_trainer(rank, positions):
+        strategy = SimpleNamespace(root_device=torch.device("cpu"),
+                                   all_gather=lambda t: torch.tensor(positions).view(-1, 1))
+        progress = SimpleNamespace(total=SimpleNamespace(processed=4))
+        return SimpleNamespace(world_size=len(positions), global_rank=rank, strategy=strategy,
+                               fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)))
+
+    dm = PromptDataModule(batch_size=2)
+    dm.trainer, dm.refills_consumed = fake_trainer(0, [3, 5]), 3
+    state = dm.state_dict()
+    assert state == {"batches_consumed": 4, "refills_consumed": 3, "refills_consumed_by_rank": [3, 5]}
+    for rank, expected in ((0, 3), (1, 5)):
+        restored = PromptDataModule(batch_size=2)
+        restored.trainer = fake_trainer(rank, [0, 0])
+        restored.load_state_dict(state)
+        assert restored.refills_consumed == expected
+    restored = PromptDataModule(batch_size=2)  # resumed on 1 rank: after the furthest position
+    restored.load_state_dict(state)
+    assert restored.refills_consumed == 5
+
+
+# ------------------------------------------------------------------------------ 2 gloo ranks
+def test_dapo_rank_whose_filter_keeps_nothing_finishes(tmp_path):
+    # rank 1 keeps no group in any round, rank 0 keeps all in the first; generation is synced (FSDP2)
+    ranks = _launch(tmp_path / "starve", "starve", 2, "2")
+    assert ranks[0]["names"] == ranks[1]["names"]
+    assert {"rollout/reward_mean", "policy/loss", "policy/entropy"} <= set(ranks[0]["names"])
+    for s0, s1 in zip(ranks[0]["steps"], ranks[1]["steps"], strict=True):
+        assert s1["kept"] == 0 and s0["kept"] == 8
+        # both ranks generated max_gen_batches = 3 rounds: rank 0 too, although it was full
+        assert s0["refills_consumed"] == s1["refills_consumed"] == 2 * s0["step"]
+        assert s0["logged"]["rollout/gen_batches"] == 3.0
+        # the mean over the ranks that had data: rank 0's samples only
+        assert s0["logged"]["rollout/reward_mean"] == pytest.approx(s0["reward_sum"] / 8, abs=1e-6)
+        assert set(s0["logged"]) == set(s1["logged"])
+
+
+def test_dapo_resume_on_two_ranks_is_exact(tmp_path):
+    full = _launch(tmp_path / "full", "partial", 2, "4")
+    (ckpt,) = (tmp_path / "full.ckpt").glob("*step=2.ckpt")
+    resumed = _launch(tmp_path / "resumed", "partial", 2, "4", str(ckpt))
+    # a run where rank 1 needs refills, and trains on what its refill prompts give
+    assert full[1]["steps"][-1]["refills_consumed"] > 0
+    for rank in (0, 1):
+        tail = [s for s in full[rank]["steps"] if s["step"] > 2]
+        assert [s["step"] for s in tail] == [s["step"] for s in resumed[rank]["steps"]] == [3, 4]
+        for a, b in zip(tail, resumed[rank]["steps"], strict=True):
+            assert a["refills_consumed"] == b["refills_consumed"] and a["kept"] == b["kept"]
+            assert a["reward_sum"] == b["reward_sum"]
+            # everything but timings (and Lightning's own `step`, which the checkpoint callback logs)
+            exact = [{k: v for k, v in s["logged"].items() if not k.startswith("perf/") and k != "step"}
+                     for s in (a, b)]
+            assert len(exact[0]) > 15 and exact[0] == exact[1]
+
+
+def test_dpo_train_metrics_are_means_over_ranks(tmp_path):
+    ranks = _launch(tmp_path / "dpo", "dpo", 2, "2")
+    for s0, s1 in zip(ranks[0]["steps"], ranks[1]["steps"], strict=True):
+        local = (s0["local_loss"], s1["local_loss"])
+        assert abs(local[0] - local[1]) > 1e-4  # the ranks' pairs really differ
+        for s in (s0, s1):
+            assert s["logged"]["train/loss"] == pytest.approx(sum(local) / 2, abs=1e-6)

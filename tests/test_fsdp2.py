@@ -1,0 +1,107 @@
+"""FSDP2 (``ModelParallelStrategy`` + ``fully_shard``) on 2 gloo ranks: gradient, fit, validation, export.
+
+Each multi-process run is a script in its own session under a hard timeout: a hung gloo rank ignores
+SIGTERM, and a hang (a rank skipping a collective) must fail the test, not stall the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_rl.sharding import decoder_layers, needs_synced_generation, refuse_fsdp1
+
+HERE = Path(__file__).parent
+
+
+def _launch(script: str, *args: str, timeout: int = 240) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(HERE / script), *args], cwd=HERE.parent, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        pytest.fail(f"{script} {' '.join(args)} hung (killed after {timeout}s)")
+    assert proc.returncode == 0, log.decode()[-3000:]
+
+
+def _update(out: Path, devices: int, micro: str, split: str) -> dict:
+    _launch("fsdp2_update.py", str(out), str(devices), micro, split)
+    return torch.load(out)
+
+
+@pytest.mark.parametrize(("micro", "split"), [("3", "strided"), ("none", "rank0")])
+def test_fsdp2_update_equals_single_process_gradient(tmp_path, micro, split):
+    """strided: ranks hold different token counts, 3 micro-batches each (gradient sync off for the first
+    two); rank0: rank 1 has no rows at all and its empty micro-batch still joins the reduce-scatter."""
+    single = _update(tmp_path / "single.pt", 1, "none", split)
+    fsdp = _update(tmp_path / "fsdp.pt", 2, micro, split)
+    assert fsdp["sharded"] and not single["sharded"]
+    for mode, grads in single["grads"].items():
+        assert set(grads) == set(fsdp["grads"][mode])
+        scale = max(g.abs().max().item() for g in grads.values())
+        diff = max((grads[n] - fsdp["grads"][mode][n]).abs().max().item() for n in grads)
+        assert scale > 1e-3, mode
+        assert diff < 1e-5, (mode, diff, scale)
+        # clipped to max_grad_norm = 0.05 from a larger norm: clipping ran on the sharded gradients
+        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
+        assert total.item() == pytest.approx(0.05, rel=1e-3)
+    # the logged norm is a plain tensor on rank 0, equal to the single-process one, and above the clip
+    assert [kind for kind, _ in fsdp["norms"]] == ["Tensor"] * 3
+    for (_, a), (_, b) in zip(single["norms"], fsdp["norms"], strict=True):
+        assert a == pytest.approx(b, rel=1e-5) and a > 0.05
+
+
+def test_fsdp2_grpo_fit_validates_unevenly_and_exports(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _launch("fsdp2_fit.py", str(tmp_path), timeout=300)
+    result = torch.load(tmp_path / "result.pt")
+    assert result["global_step"] == 3
+    assert {"val/accuracy", "policy/grad_norm", "policy/kl_ref"} <= set(result["metrics"])
+    ranks = result["ranks"]
+    assert all(r["sharded"] and not r["reference_sharded"] for r in ranks)
+    # each rank holds half the policy's weights and a whole frozen reference
+    assert ranks[0]["policy_local_bytes"] * 2 == ranks[0]["reference_bytes"]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").state_dict()
+    trained = result["weights"]
+    assert set(reloaded) == set(trained)
+    assert max((reloaded[k] - trained[k]).abs().max().item() for k in trained) == 0.0
+    assert AutoTokenizer.from_pretrained(tmp_path / "policy").decode([5]) != ""
+
+
+def test_fsdp1_strategy_is_refused_naming_the_overlay():
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    with pytest.raises(ValueError, match="configs/strategy/fsdp2.yaml"):
+        refuse_fsdp1(FSDPStrategy())
+
+
+def test_fsdp_dtypes_are_validated_naming_the_key():
+    from lightning_rl.algorithms import GRPO
+
+    with pytest.raises(ValueError, match="model.fsdp_param_dtype"):
+        GRPO(fsdp_param_dtype="fp8")
+    with pytest.raises(ValueError, match="model.fsdp_reduce_dtype"):
+        GRPO(fsdp_reduce_dtype="half")
+
+
+def test_decoder_layers_and_synced_generation_rule():
+    from lightning_rl.models import load_policy
+
+    model = load_policy("builtin:tiny-sort", None, False).model
+    layers = decoder_layers(model)
+    assert layers and all(type(m).__name__ == "LlamaDecoderLayer" for m in layers)
+    assert len(layers) == model.config.num_hidden_layers
+    named = type("ModelParallelStrategy", (), {})
+    assert needs_synced_generation(SimpleNamespace(strategy=named()))
+    assert not needs_synced_generation(SimpleNamespace(strategy=object()), model)
+    assert not needs_synced_generation(None)
