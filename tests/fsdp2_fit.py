@@ -1,26 +1,44 @@
-"""GRPO ``fit`` under FSDP2 on 2 gloo ranks: validation with uneven ranks, then the export.
+"""``fit`` under FSDP2 on 2 gloo ranks: GRPO / DAPO / DPO with validation on uneven ranks and the export,
+and an exactly resumed GRPO run from a sharded (distributed) checkpoint.
 
-    python tests/fsdp2_fit.py OUT_DIR
+    python tests/fsdp2_fit.py OUT_DIR [MODE] [STEPS] [RESUME_CKPT]
 
-3 optimiser steps (2 micro-batches each, KL to the reference on), greedy validation on 3 held-out rows in
-batches of 1 (rank 0 scores 2 rows, rank 1 one row and a placeholder; their completion lengths differ),
-then ``ExportPolicy`` writes ``OUT_DIR/policy``. Rank 0 saves the trained weights (gathered on every
-rank), what each rank held, and the logged metrics to ``OUT_DIR/result.pt``.
+MODE:
+    grpo    (default) 3 optimiser steps (2 micro-batches each, KL to the reference on), greedy validation on
+            3 held-out rows in batches of 1 (rank 0 scores 2 rows, rank 1 one row and a placeholder; their
+            completion lengths differ), then ``ExportPolicy`` writes ``OUT_DIR/policy``.
+    dapo    DAPO with dynamic sampling where rank 0 keeps every group and rank 1 only some, so the ranks'
+            rollouts, refills and micro-batch counts differ; validation and export as in ``grpo``.
+    dpo     DPO (automatic optimisation, a whole frozen reference per rank) on 5 training pairs, 1 per rank
+            per step; validation on 3 held-out pairs in batches of 1; export.
+    resume  GRPO for STEPS steps with a sharded checkpoint (``save_distributed_checkpoint``) every 2 steps
+            under ``OUT_DIR/ckpt``; RESUME_CKPT resumes from one. Each rank's RNG is seeded differently
+            at the start of ``fit`` and recorded per step, so a resume that restores rank 0's RNG on every
+            rank shows.
+
+Rank 0 saves the trained weights (gathered on every rank), what each rank held, the logged metrics and,
+per step and rank, the logged metrics, to ``OUT_DIR/result.pt``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import zlib
+from functools import partial
 
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from lightning_rl.algorithms import GRPO
+from lightning_rl.algorithms import DAPO, DPO, GRPO
 from lightning_rl.callbacks import ExportPolicy
+from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.data import PromptDataModule
+from lightning_rl.data.preference import PreferenceDataModule
 from lightning_rl.sharding import full_state_dict, is_sharded
 
 
@@ -28,25 +46,100 @@ def nbytes(tensors) -> int:
     return sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in tensors)
 
 
-def main() -> None:
-    torch.set_num_threads(1)
-    out = sys.argv[1]
+def correctness(prompts, completions, **_):
+    """Rank 0: every group mixed (every other sample correct); rank 1: only prompts whose digit sum is
+    0 mod 4, so rank 1's filter drops most groups and, with 2 rounds at most, trains on fewer (or none)."""
+    rank = dist.get_rank()
+    keep = [rank == 0 or sum(int(c) for c in p if c.isdigit()) % 4 == 0 for p in prompts]
+    return [k and i % 2 == 0 for i, k in enumerate(keep)]
+
+
+def reward(prompts, completions, **_):
+    correct = correctness(prompts, completions)
+    return [float(c) + 0.05 * len(t) for c, t in zip(correct, completions, strict=True)]
+
+
+class Record(RLCallback):
+    """Per step: what this rank logged and (RL) how many samples it kept and its refill position."""
+
+    def __init__(self, seed_per_rank: bool) -> None:
+        self.steps: list[dict] = []
+        self.seed_per_rank = seed_per_rank
+        self.kept = 0
+
+    def on_rollout_end(self, trainer, pl_module, rollout):
+        self.kept = len(rollout)
+
+    def on_fit_start(self, trainer, pl_module):
+        if self.seed_per_rank:  # before the module restores the checkpoint's RNG states (on_train_start)
+            torch.manual_seed(1000 + trainer.global_rank)
+
+    def on_train_batch_end(self, trainer, pl_module, *_):
+        logged = {k: float(v) for k, v in trainer.logged_metrics.items()}
+        step = {"step": trainer.global_step, "logged": logged}
+        step["kept"] = self.kept
+        # this rank's global torch RNG, unconsumed (rollouts sample from seeded forks; dropout etc. use it)
+        step["rng"] = zlib.crc32(torch.get_rng_state().numpy().tobytes())
+        step["refills_consumed"] = getattr(trainer.datamodule, "refills_consumed", None)
+        self.steps.append(step)
+
+
+def build(mode: str, out: str):
+    here = "fsdp2_fit"
+    if mode == "dapo":
+        module = DAPO(model="builtin:tiny-sort", max_new_tokens=6, max_prompt_length=16, num_generations=4,
+                      max_gen_batches=2, micro_batch_size=4, correctness_fn=f"{here}:correctness",
+                      reward_fns=[f"{here}:reward"], temperature=1.0, fsdp_param_dtype=None,
+                      optimizer=partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0))
+        return module, PromptDataModule(batch_size=2, max_val_rows=3, val_batch_size=1)
+    if mode == "dpo":
+        rows = [{"prompt": f"{n}=", "chosen": "".join(sorted(str(n))), "rejected": str(n)[::-1] + "7",
+                 "answer": "".join(sorted(str(n)))} for n in (312, 9071, 57, 4410, 826, 73, 1902, 648)]
+        path = os.path.join(out, "pairs.jsonl")
+        tmp = f"{path}.{os.getpid()}"  # before the process group exists: every rank writes, atomically
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        os.replace(tmp, path)
+        module = DPO(model="builtin:tiny-sort", max_prompt_length=16, max_completion_length=10,
+                     max_new_tokens=8, optimizer=partial(torch.optim.SGD, lr=0.1))
+        return module, PreferenceDataModule(path=path, batch_size=1, val_batch_size=1, val_fraction=0.375)
     module = GRPO(model="builtin:tiny-sort", max_new_tokens=8, max_prompt_length=16, num_generations=4,
                   micro_batch_size=4, kl_coef=0.1, max_grad_norm=0.5, temperature=1.0,
                   fsdp_param_dtype=None)
-    trainer = L.Trainer(accelerator="cpu", devices=2,
-                        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-                        max_steps=3, val_check_interval=2, check_val_every_n_epoch=None, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=1, default_root_dir=out,
-                        callbacks=[ExportPolicy(os.path.join(out, "policy"))])
-    trainer.fit(module, PromptDataModule(batch_size=2, max_val_rows=3, val_batch_size=1))
+    return module, PromptDataModule(batch_size=2, max_val_rows=3, val_batch_size=1)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    out = sys.argv[1]
+    mode = sys.argv[2] if len(sys.argv) > 2 else "grpo"
+    steps = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+    resume = sys.argv[4] if len(sys.argv) > 4 else None
+    os.makedirs(out, exist_ok=True)
+    L.seed_everything(0, verbose=False)
+    record = Record(seed_per_rank=mode == "resume")
+    callbacks: list = [record, ExportPolicy(os.path.join(out, "policy"))]
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
+                                     save_distributed_checkpoint=mode == "resume")
+    if mode == "resume":
+        callbacks.append(ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), every_n_train_steps=2,
+                                         save_top_k=-1, save_last=False))
+        validation = {"limit_val_batches": 0, "num_sanity_val_steps": 0}
+    else:
+        validation = {"val_check_interval": 2, "check_val_every_n_epoch": None, "num_sanity_val_steps": 1}
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
+                        enable_checkpointing=mode == "resume", enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=out, callbacks=callbacks, **validation)
+    module, datamodule = build(mode, out)
+    trainer.fit(module, datamodule, ckpt_path=resume)
     weights = full_state_dict(module.policy.model)  # every rank joins
+    reference = getattr(module, "_reference", None) or getattr(module, "reference", None)
     held = {
         "policy_local_bytes": nbytes(module.policy.parameters()),
-        "reference_bytes": nbytes(module._reference.parameters()),
+        "reference_bytes": nbytes(reference.parameters()) if reference is not None else 0,
         "sharded": is_sharded(module.policy.model),
-        "reference_sharded": is_sharded(module._reference),
+        "reference_sharded": reference is not None and is_sharded(reference),
+        "steps": record.steps,
     }
     per_rank = [None, None]
     dist.all_gather_object(per_rank, held)

@@ -78,6 +78,70 @@ def test_fsdp2_grpo_fit_validates_unevenly_and_exports(tmp_path):
     assert AutoTokenizer.from_pretrained(tmp_path / "policy").decode([5]) != ""
 
 
+def _reloads_exactly(folder: Path, trained: dict) -> None:
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    assert set(reloaded) == set(trained)
+    assert max((reloaded[k] - trained[k]).abs().max().item() for k in trained) == 0.0
+
+
+def test_fsdp2_dapo_fit_with_dynamic_sampling_validates_unevenly_and_exports(tmp_path):
+    """Rank 0 keeps every group, rank 1 only some: the ranks' rollouts and micro-batch counts differ, yet
+    generation rounds, micro-batches and forwards are agreed (a disagreement hangs, killed by the timeout)."""
+    _launch("fsdp2_fit.py", str(tmp_path), "dapo", "3", timeout=300)
+    result = torch.load(tmp_path / "result.pt")
+    assert result["global_step"] == 3
+    assert {"val/accuracy", "rollout/gen_batches", "rollout/filtered_group_frac"} <= set(result["metrics"])
+    r0, r1 = (r["steps"] for r in result["ranks"])
+    assert all(r["sharded"] for r in result["ranks"])
+    assert [s["kept"] for s in r0] == [8, 8, 8]  # 2 micro-batches of 4 every step
+    assert any(s["kept"] < 8 for s in r1)  # rank 1 trained on fewer samples at least once
+    assert any(s["logged"]["rollout/gen_batches"] > 1 for s in r0)  # rank 0 generated extra rounds too
+    for a, b in zip(r0, r1, strict=True):
+        assert a["refills_consumed"] == b["refills_consumed"]  # the same rounds on both ranks
+        assert a["logged"] == b["logged"]  # the same (reduced) metrics, the same key set
+    _reloads_exactly(tmp_path / "policy", result["weights"])
+
+
+def test_fsdp2_dpo_fit_validates_and_exports(tmp_path):
+    _launch("fsdp2_fit.py", str(tmp_path), "dpo", "3", timeout=300)
+    result = torch.load(tmp_path / "result.pt")
+    assert result["global_step"] == 3
+    assert {"train/loss", "val/loss", "val/accuracy", "val/rewards/accuracy"} <= set(result["metrics"])
+    ranks = result["ranks"]
+    assert all(r["sharded"] and not r["reference_sharded"] for r in ranks)
+    assert ranks[0]["policy_local_bytes"] * 2 == ranks[0]["reference_bytes"]  # a whole reference per rank
+    losses = [s["logged"]["train/loss"] for s in ranks[0]["steps"]]
+    assert len(set(losses)) > 1  # the policy moved away from the reference
+    _reloads_exactly(tmp_path / "policy", result["weights"])
+
+
+def test_fsdp2_grpo_resumes_exactly_from_a_sharded_checkpoint(tmp_path):
+    """4 steps in one go vs 2 steps, a distributed checkpoint (a folder of shards), and 2 more: the same
+    metrics, weights and, on each rank, its own RNG state (ranks are seeded differently)."""
+    _launch("fsdp2_fit.py", str(tmp_path / "full"), "resume", "4", timeout=300)
+    (ckpt,) = (tmp_path / "full" / "ckpt").glob("*step=2.ckpt")
+    assert ckpt.is_dir() and len(list(ckpt.glob("*.distcp"))) == 2
+    _launch("fsdp2_fit.py", str(tmp_path / "resumed"), "resume", "4", str(ckpt), timeout=300)
+    full, resumed = (torch.load(tmp_path / run / "result.pt") for run in ("full", "resumed"))
+    assert full["global_step"] == resumed["global_step"] == 4
+    rng = []
+    for rank in (0, 1):
+        tail = [s for s in full["ranks"][rank]["steps"] if s["step"] > 2]
+        again = resumed["ranks"][rank]["steps"]
+        assert [s["step"] for s in tail] == [s["step"] for s in again] == [3, 4]
+        for a, b in zip(tail, again, strict=True):
+            assert a["rng"] == b["rng"], rank
+            exact = [{k: v for k, v in s["logged"].items() if not k.startswith("perf/") and k != "step"}
+                     for s in (a, b)]
+            assert len(exact[0]) > 15 and exact[0] == exact[1]
+        rng.append(tail[0]["rng"])
+    assert rng[0] != rng[1]  # the ranks' RNG states differ, so each restored its own
+    assert set(full["weights"]) == set(resumed["weights"])
+    assert all(torch.equal(full["weights"][k], resumed["weights"][k]) for k in full["weights"])
+
+
 def test_fsdp1_strategy_is_refused_naming_the_overlay():
     from lightning.pytorch.strategies import FSDPStrategy
 

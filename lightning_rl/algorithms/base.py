@@ -155,10 +155,25 @@ class PolicyModule(L.LightningModule):
 
     # ---- checkpoints: RNG states travel with the weights, optimiser and data position -------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """This rank's RNG states, and with several ranks every rank's (``rng_states_by_rank``): Lightning
+        writes the checkpoint rank 0 built (one metadata file under sharded checkpoints too), so the other
+        ranks' states are gathered into it (every rank builds the checkpoint, so all join the gather)."""
         checkpoint["rng_states"] = collect_rng_states()
+        trainer = self._trainer
+        if trainer is not None and trainer.world_size > 1 and torch.distributed.is_initialized():
+            by_rank: list[Any] = [None] * trainer.world_size
+            torch.distributed.all_gather_object(by_rank, checkpoint["rng_states"])
+            checkpoint["rng_states_by_rank"] = by_rank
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._rng_states = checkpoint.get("rng_states")
+        """Each rank restores its own RNG states when resumed on the same world size; otherwise the saved
+        rank's (rank 0's)."""
+        by_rank = checkpoint.get("rng_states_by_rank")
+        trainer = self._trainer
+        if by_rank and trainer is not None and len(by_rank) == trainer.world_size:
+            self._rng_states = by_rank[trainer.global_rank]
+        else:
+            self._rng_states = checkpoint.get("rng_states")
 
     def on_train_start(self) -> None:
         if getattr(self, "_rng_states", None) is not None:  # after sanity validation, so it can't shift them
