@@ -134,3 +134,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if dist.is_initialized():  # tear gloo down cleanly: its threads left running abort the process at exit
+        dist.destroy_process_group()

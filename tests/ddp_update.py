@@ -16,6 +16,7 @@ from functools import partial
 
 import lightning as L
 import torch
+import torch.distributed as dist
 
 from lightning_rl.algorithms import GRPO
 from lightning_rl.data import PromptDataModule
@@ -71,3 +72,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if dist.is_initialized():  # tear gloo down cleanly: its threads left running abort the process at exit
+        dist.destroy_process_group()

@@ -19,6 +19,7 @@ from functools import partial
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_rl.algorithms import GRPO
@@ -83,3 +84,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if dist.is_initialized():  # tear gloo down cleanly: its threads left running abort the process at exit
+        dist.destroy_process_group()

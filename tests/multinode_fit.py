@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from lightning_rl.cli import LightningRLCLI
 
@@ -49,3 +50,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if dist.is_initialized():  # tear gloo down cleanly: its threads left running abort the process at exit
+        dist.destroy_process_group()
