@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import launch
 from test_online_rl import fake_rollout
 
 from lightning_rl.callbacks import DAPOGroupFilter, PolicyMetrics
@@ -23,16 +21,7 @@ SCRIPT = Path(__file__).with_name("ddp_collectives.py")
 
 
 def _launch(out: Path, mode: str, devices: int = 2, *args: str, timeout: int = 240) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLLECTIVES_MODE": mode}
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(out), str(devices), *args], cwd=out.parent,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.communicate()
-        pytest.fail(f"{mode}: DDP run hung (killed after {timeout}s)")
-    assert proc.returncode == 0, log.decode()[-3000:]
+    launch(SCRIPT, out, devices, *args, cwd=out.parent, env={"COLLECTIVES_MODE": mode}, timeout=timeout)
     return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(devices)]
 
 

@@ -3,29 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import launch
 
 SCRIPT = Path(__file__).with_name("ddp_update.py")
 VALIDATE = Path(__file__).with_name("ddp_validate.py")
 
 
 def _launch(script: Path, out: Path, *args: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # hard timeout: a hung gloo rank ignores SIGTERM, so run in its own session and kill the group
-    proc = subprocess.Popen([sys.executable, str(script), str(out), *args], cwd=out.parent,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        pytest.fail("DDP run hung")
-    assert proc.returncode == 0, log.decode()[-3000:]
+    launch(script, out, *args, cwd=out.parent)
 
 
 def _run(out: Path, devices: int, micro: str) -> dict:

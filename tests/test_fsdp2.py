@@ -6,14 +6,12 @@ SIGTERM, and a hang (a rank skipping a collective) must fail the test, not stall
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import launch
 
 from lightning_rl.sharding import decoder_layers, needs_synced_generation, refuse_fsdp1
 
@@ -21,16 +19,7 @@ HERE = Path(__file__).parent
 
 
 def _launch(script: str, *args: str, timeout: int = 240) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(HERE / script), *args], cwd=HERE.parent, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.communicate()
-        pytest.fail(f"{script} {' '.join(args)} hung (killed after {timeout}s)")
-    assert proc.returncode == 0, log.decode()[-3000:]
+    launch(HERE / script, *args, cwd=HERE.parent, timeout=timeout)
 
 
 def _update(out: Path, devices: int, micro: str, split: str) -> dict:
