@@ -7,15 +7,15 @@ import os
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_rl.sharding import full_state_dict, is_sharded, save_full_pretrained
+from lightning_rl.sharding import full_state_dict, gathers_for_export, save_full_pretrained
 
 
 class ExportPolicy(L.Callback):
     """Save the policy and tokenizer with ``save_pretrained`` at the end of ``fit``.
 
     The folder loads directly with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer``. Under
-    FSDP2 every rank first gathers the full state dict (a collective), then rank 0 alone writes it: no
-    rank waits on another inside ``save_pretrained``.
+    FSDP2 and ZeRO-3 every rank first gathers the full state dict (a collective), then rank 0 alone writes
+    it: no rank waits on another inside ``save_pretrained``.
 
     Args:
         dirpath: target folder; ``None`` writes ``<trainer.log_dir>/policy``.
@@ -32,7 +32,7 @@ class ExportPolicy(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         path = self.target(trainer)
         policy = getattr(pl_module, "policy", None)
-        if policy is not None and is_sharded(policy.model):
+        if policy is not None and gathers_for_export(policy.model):
             state_dict = full_state_dict(policy.model)  # every rank joins the gathers
             if trainer.is_global_zero:
                 save_full_pretrained(policy, path, state_dict)

@@ -132,7 +132,8 @@ def check_strategy_installed(config: Any) -> None:
     name = strategy if isinstance(strategy, str) else str(getattr(strategy, "class_path", strategy) or "")
     if "deepspeed" in name.lower() and importlib.util.find_spec("deepspeed") is None:
         raise ConfigError("`trainer.strategy` needs DeepSpeed installed: "
-                          "pip install 'lightning-rl[deepspeed]' (DeepSpeed runs on CUDA devices only)")
+                          "pip install 'lightning-rl[deepspeed]' "
+                          "(Lightning's DeepSpeed strategy runs on CUDA devices)")
 
 
 def check_checkpoint_file(path: str | None) -> None:

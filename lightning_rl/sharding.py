@@ -1,4 +1,4 @@
-"""FSDP2 (``fully_shard``) for the policy, through Lightning's ``ModelParallelStrategy``.
+"""Sharded training: FSDP2 (``fully_shard``) through Lightning's ``ModelParallelStrategy``; DeepSpeed ZeRO.
 
 ``PolicyModule.configure_model`` calls :func:`shard_policy_model`: each decoder layer is sharded, then the
 root, over the data-parallel dimension of the strategy's device mesh. Lightning's FSDP1 ``fsdp``
@@ -14,6 +14,13 @@ Rules kept here (DESIGN.md, "Scaling out"): generation under sharded weights pas
 ``synced_gpus=True`` (:func:`needs_synced_generation`), gradient accumulation switches FSDP2's
 reduce-scatter off with ``set_requires_gradient_sync`` (:func:`no_gradient_sync`), and an export gathers
 a full state dict on every rank before rank 0 writes it (:func:`full_state_dict`).
+
+DeepSpeed (Lightning's ``DeepSpeedStrategy``, ZeRO stage 1-3): gradient accumulation is the engine's
+(:func:`deepspeed_engine` ``.set_gradient_accumulation_boundary``, DeepSpeed's ``no_sync`` refuses ZeRO-2/3),
+clipping is the engine's (``gradient_clipping``, filled from ``model.max_grad_norm``) and so is the LR
+scheduler step. ZeRO-2/3 reduce gradients in *every* backward, so every rank runs as many backward passes
+(:func:`collective_backward`); ZeRO-3 also gathers parameters in every forward (:func:`collective_forward`)
+and an export gathers them with ``GatheredParameters`` (:func:`full_state_dict`).
 """
 
 from __future__ import annotations
@@ -48,6 +55,49 @@ def is_sharded(model: nn.Module) -> bool:
     """True when ``model`` (or a submodule) has been passed to ``fully_shard``."""
     kind = fsdp_module_class()
     return any(isinstance(m, kind) for m in model.modules())
+
+
+def strategy_is(strategy: Any, names: tuple[str, ...]) -> bool:
+    """Whether ``strategy``'s class, or a base class, is one of Lightning's strategies ``names``."""
+    return strategy is not None and any(c.__name__ in names for c in type(strategy).__mro__)
+
+
+def zero3_partitioned(model: nn.Module) -> bool:
+    """True when DeepSpeed ZeRO-3 has partitioned ``model``'s parameters (each then carries ``ds_id``)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def deepspeed_engine(trainer: Any) -> Any | None:
+    """The ``DeepSpeedEngine`` around the LightningModule under Lightning's ``DeepSpeedStrategy``, or None."""
+    strategy = getattr(trainer, "strategy", None) if trainer is not None else None
+    if not strategy_is(strategy, ("DeepSpeedStrategy",)):
+        return None
+    engine = getattr(strategy, "model", None)
+    return engine if hasattr(engine, "set_gradient_accumulation_boundary") else None
+
+
+def start_deepspeed_micro_batch(engine: Any, boundary: bool) -> None:
+    """Prepare ``engine`` for one micro-batch's forward and backward inside a single ``training_step``.
+
+    ``boundary`` marks the last micro-batch of an optimiser step (gradients are final after its backward).
+    The engine does its per-micro-batch bookkeeping at the start of its own ``forward``; our micro-batches
+    all run inside one engine forward (Lightning's ``training_step``), so it is done here too: without it
+    ZeRO-3 copies each micro-batch's gradient partitions over the last instead of adding them.
+    """
+    if hasattr(engine.optimizer, "clear_backward_seen_flag"):  # DeepSpeed >= 0.17; earlier: in backward
+        engine.optimizer.clear_backward_seen_flag()
+    engine.set_gradient_accumulation_boundary(boundary)
+
+
+def collective_forward(model: nn.Module) -> bool:
+    """Whether each forward of ``model`` is a collective (FSDP2 or ZeRO-3 gather weights from every rank)."""
+    return is_sharded(model) or zero3_partitioned(model)
+
+
+def collective_backward(trainer: Any, model: nn.Module) -> bool:
+    """Whether each backward through ``model`` communicates, even while accumulating: FSDP2 and ZeRO-3 (whose
+    forward is collective too) and any DeepSpeed engine (ZeRO-2 reduces buckets in every backward)."""
+    return collective_forward(model) or deepspeed_engine(trainer) is not None
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -137,9 +187,9 @@ def needs_synced_generation(trainer: Any, model: nn.Module | None = None) -> boo
     is sharded whatever the strategy says.
     """
     strategy = getattr(trainer, "strategy", None) if trainer is not None else None
-    if strategy is not None and type(strategy).__name__ in SHARDED_STRATEGIES:
+    if strategy_is(strategy, SHARDED_STRATEGIES):
         return True
-    return model is not None and is_sharded(model)
+    return model is not None and collective_forward(model)
 
 
 @contextlib.contextmanager
@@ -152,22 +202,24 @@ def no_gradient_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True, recurse=True)
 
 
-def zero_loss(policy: Any) -> torch.Tensor:
+def zero_loss(policy: Any, trainer: Any = None) -> torch.Tensor:
     """A zero loss whose backward joins the gradient reduction as a real micro-batch's would.
 
-    DDP only needs every trainable parameter in the graph. FSDP2 gathers weights in forward and
-    reduce-scatters in backward through module hooks, so a sharded model runs a real one-token forward.
+    DDP only needs every trainable parameter in the graph. FSDP2 and ZeRO-3 gather weights in forward and
+    reduce in backward through module hooks, and ZeRO-2 reduces gradients in buckets in the order they
+    become ready, so there (``collective_backward``) the model runs a real one-token forward.
     """
-    if not is_sharded(policy.model):
+    if not collective_backward(trainer, policy.model):
         return sum(p.sum() * 0.0 for p in policy.parameters() if p.requires_grad)
     ids = torch.full((1, 1), policy.pad_token_id, dtype=torch.long, device=policy.device)
     return policy.model(input_ids=ids, use_cache=False).logits.float().sum() * 0.0
 
 
-def agreed_count(trainer: Any, model: nn.Module, count: int) -> int:
-    """The largest ``count`` over all ranks when ``model`` is sharded (each forward of a sharded model is
-    a collective, so every rank must run as many); ``count`` itself otherwise."""
-    if not is_sharded(model):
+def agreed_count(trainer: Any, model: nn.Module, count: int, backward: bool = False) -> int:
+    """The largest ``count`` over all ranks when each forward of ``model`` (or, with ``backward``, each
+    backward) is a collective, so that every rank runs as many; ``count`` itself otherwise."""
+    collective = collective_backward(trainer, model) if backward else collective_forward(model)
+    if not collective:
         return count
     value = torch.tensor(float(count), device=next(model.parameters()).device)
     return int(trainer.strategy.reduce(value, reduce_op="max"))
@@ -178,12 +230,26 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def gathers_for_export(model: nn.Module) -> bool:
+    """Whether ``model``'s full weights exist only across ranks (FSDP2 shards, ZeRO-3 partitions)."""
+    return collective_forward(model)
+
+
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's state dict on CPU, gathered from every rank (call it on every rank).
 
-    Rank 0 gets the full tensors; with ``cpu_offload`` the other ranks get an empty dict.
+    FSDP2: rank 0 gets the full tensors; with ``cpu_offload`` the other ranks get an empty dict. ZeRO-3:
+    the partitions are gathered (``GatheredParameters``) and rank 0 copies them to CPU; others get ``{}``.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if zero3_partitioned(model):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+            if torch.distributed.get_rank() != 0:
+                return {}
+            return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 

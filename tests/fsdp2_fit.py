@@ -3,6 +3,9 @@ and an exactly resumed GRPO run from a sharded (distributed) checkpoint.
 
     python tests/fsdp2_fit.py OUT_DIR [MODE] [STEPS] [RESUME_CKPT]
 
+With ``STRATEGY=zero2`` or ``zero3`` in the environment the same runs use DeepSpeed ZeRO-2 / ZeRO-3
+(``tests/deepspeed_cpu.py``) instead; their checkpoints are DeepSpeed's folders.
+
 MODE:
     grpo    (default) 3 optimiser steps (2 micro-batches each, KL to the reference on), greedy validation on
             3 held-out rows in batches of 1 (rank 0 scores 2 rows, rank 1 one row and a placeholder; their
@@ -39,11 +42,26 @@ from lightning_rl.callbacks import ExportPolicy
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.data import PromptDataModule
 from lightning_rl.data.preference import PreferenceDataModule
-from lightning_rl.sharding import full_state_dict, is_sharded
+from lightning_rl.sharding import collective_forward, full_state_dict
 
 
 def nbytes(tensors) -> int:
-    return sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in tensors)
+    """Bytes this rank holds: an FSDP2 shard, a ZeRO-3 partition (``ds_tensor``) or a whole tensor."""
+    held = 0
+    for t in tensors:
+        held += (t.to_local().nbytes if hasattr(t, "to_local") else
+                 t.ds_tensor.nbytes if hasattr(t, "ds_tensor") else t.nbytes)
+    return held
+
+
+def make_strategy(name: str, checkpoint: bool):
+    if name == "fsdp2":
+        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
+                                     save_distributed_checkpoint=checkpoint)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from deepspeed_cpu import CPUDeepSpeedStrategy
+
+    return CPUDeepSpeedStrategy(stage={"zero2": 2, "zero3": 3}[name])
 
 
 def correctness(prompts, completions, **_):
@@ -119,8 +137,7 @@ def main() -> None:
     L.seed_everything(0, verbose=False)
     record = Record(seed_per_rank=mode == "resume")
     callbacks: list = [record, ExportPolicy(os.path.join(out, "policy"))]
-    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
-                                     save_distributed_checkpoint=mode == "resume")
+    strategy = make_strategy(os.environ.get("STRATEGY", "fsdp2"), checkpoint=mode == "resume")
     if mode == "resume":
         callbacks.append(ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), every_n_train_steps=2,
                                          save_top_k=-1, save_last=False))
@@ -137,8 +154,8 @@ def main() -> None:
     held = {
         "policy_local_bytes": nbytes(module.policy.parameters()),
         "reference_bytes": nbytes(reference.parameters()) if reference is not None else 0,
-        "sharded": is_sharded(module.policy.model),
-        "reference_sharded": reference is not None and is_sharded(reference),
+        "sharded": collective_forward(module.policy.model),
+        "reference_sharded": reference is not None and collective_forward(reference),
         "steps": record.steps,
     }
     per_rank = [None, None]

@@ -14,7 +14,7 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_rl.data.validation import VAL_WEIGHT_KEY
 from lightning_rl.models import load_policy
@@ -23,6 +23,7 @@ from lightning_rl.sharding import (
     needs_synced_generation,
     refuse_fsdp1,
     shard_policy_model,
+    strategy_is,
     validate_fsdp_args,
 )
 
@@ -115,6 +116,28 @@ class PolicyModule(L.LightningModule):
             return
         shard_policy_model(self.policy.model, mesh, cpu_offload=self.fsdp_cpu_offload,
                            param_dtype=self.fsdp_param_dtype, reduce_dtype=self.fsdp_reduce_dtype)
+
+    def setup(self, stage: str) -> None:
+        """Under DeepSpeed, fill the engine config's keys this module decides (see ``deepspeed_defaults``).
+
+        Runs before the strategy formats its config. A key the user's DeepSpeed config sets wins (a warning
+        says so when it differs). Without ``train_micro_batch_size_per_gpu`` Lightning reads it from the
+        train loader's batch sampler, which our streamed prompt loaders do not have (it is only used for
+        DeepSpeed's throughput logs).
+        """
+        strategy = self.trainer.strategy
+        config = getattr(strategy, "config", None)
+        if not strategy_is(strategy, ("DeepSpeedStrategy",)) or not isinstance(config, dict):
+            return
+        for key, value in self.deepspeed_defaults().items():
+            if key in config and config[key] != value and key != "train_micro_batch_size_per_gpu":
+                rank_zero_warn(f"the DeepSpeed config sets `{key}: {config[key]}`, used instead of {value} "
+                               "from the model's settings")
+            config.setdefault(key, value)
+
+    def deepspeed_defaults(self) -> dict[str, Any]:
+        """DeepSpeed config entries implied by this module's settings (see ``setup``)."""
+        return {"train_micro_batch_size_per_gpu": 1}
 
     def on_fit_start(self) -> None:
         self.policy.train()  # HF models load in eval mode and Lightning keeps it

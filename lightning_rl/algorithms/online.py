@@ -41,10 +41,12 @@ from lightning_rl.rewards import RewardScorer, RewardScores, import_reward, over
 from lightning_rl.rollout import Rollout, exclude_nonfinite, merge_stats
 from lightning_rl.sharding import (
     agreed_count,
+    deepspeed_engine,
     full_value,
     is_sharded,
     needs_synced_generation,
     no_gradient_sync,
+    start_deepspeed_micro_batch,
     zero_loss,
 )
 
@@ -192,13 +194,14 @@ class OnlineRL(PolicyModule):
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
-        if type(self.trainer.strategy).__name__ == "DeepSpeedStrategy" and self.max_grad_norm is not None:
-            # Lightning leaves clipping to DeepSpeed there: say so rather than ignore the setting silently
-            warn_rank_zero("`model.max_grad_norm` is not applied under DeepSpeed: set `gradient_clipping` in "
-                           "the DeepSpeed config (configs/strategy/deepspeed_zero*.yaml) instead")
         self.policy.disable_dropout()  # log-probs must match what sampling saw
         if self._reference is not None:
             self._reference.to(self.device)
+
+    def deepspeed_defaults(self) -> dict[str, Any]:
+        """Under DeepSpeed the engine clips (after unscaling, on its partitions): ``max_grad_norm`` goes
+        there."""
+        return {**super().deepspeed_defaults(), "gradient_clipping": self.max_grad_norm or 0.0}
 
     def rl_callbacks(self) -> list:
         from lightning_rl.callbacks.base import RLCallback
@@ -296,7 +299,7 @@ class OnlineRL(PolicyModule):
             out.append(logp)
         if model is self.policy:  # a sharded policy's forward is collective: as many on every rank
             for _ in range(agreed_count(self.trainer, self.policy.model, len(out)) - len(out)):
-                zero_loss(self.policy)
+                zero_loss(self.policy, self.trainer)
         if not out:
             return rollout.completion_mask.new_zeros(rollout.completion_mask.shape).float()
         return torch.cat(out, 0)
@@ -358,14 +361,13 @@ class OnlineRL(PolicyModule):
         size = self.micro_batch_size or max(len(minibatch), 1)
         micros = list(minibatch.minibatches(size)) or [minibatch]
         # sharded: every rank runs as many micro-batches (the extra ones empty, joining with a zero loss)
-        missing = agreed_count(self.trainer, self.policy.model, len(micros)) - len(micros)
+        missing = agreed_count(self.trainer, self.policy.model, len(micros), backward=True) - len(micros)
         micros += [minibatch.select(torch.arange(0, device=minibatch.completion_ids.device))] * missing
         opt.zero_grad()
         for i, micro in enumerate(micros):
-            sync = contextlib.nullcontext() if i == len(micros) - 1 else self.no_sync()
-            with sync:
+            with self.accumulating(last=i == len(micros) - 1):
                 if len(micro) == 0:  # this rank has nothing, but must join the gradient all-reduce
-                    self.manual_backward(zero_loss(self.policy))
+                    self.manual_backward(zero_loss(self.policy, self.trainer))
                     continue
                 loss, metrics = self.micro_loss(micro, num_tokens, num_seqs)
                 # data-parallel strategies average gradients over ranks; the normalisers are already global
@@ -376,14 +378,22 @@ class OnlineRL(PolicyModule):
             for cb in self.rl_callbacks():
                 cb.on_update_end(self.trainer, self, metrics, share)
         opt.step()  # clipped in on_before_optimizer_step, after the precision plugin unscaled them
+        engine = deepspeed_engine(self.trainer)
+        if engine is not None:  # the engine clipped and stepped the scheduler itself
+            norm = engine.get_global_grad_norm()
+            if norm is not None:
+                norm = torch.as_tensor(float(norm), device=self.device)
+                for cb in self.rl_callbacks():
+                    cb.on_update_end(self.trainer, self, {"policy/grad_norm": norm}, 1.0)
+            return
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         """Clip by global norm through Lightning (right under AMP, FSDP2, DeepSpeed); log the norm before."""
-        if self.max_grad_norm is None:
-            return
+        if self.max_grad_norm is None or deepspeed_engine(self.trainer) is not None:
+            return  # DeepSpeed: the engine clips in its step (``gradient_clipping``) and reports the norm
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
         norm = full_value(norm)  # FSDP2: a DTensor of partial norms; the global norm on every rank
@@ -402,6 +412,18 @@ class OnlineRL(PolicyModule):
         counts = torch.stack(normalizer_counts(minibatch.completion_mask)).float()
         counts = self.trainer.strategy.reduce(counts, reduce_op="sum")
         return counts[0], counts[1]
+
+    def accumulating(self, last: bool) -> Any:
+        """The context of one micro-batch's backward: gradients are reduced over ranks only for the last.
+
+        DeepSpeed: the engine's accumulation boundary (its ``no_sync`` refuses ZeRO-2/3, which reduce
+        partitions in every backward anyway); FSDP2: ``set_requires_gradient_sync``; DDP: ``no_sync``.
+        """
+        engine = deepspeed_engine(self.trainer)
+        if engine is not None:
+            start_deepspeed_micro_batch(engine, boundary=last)
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if last else self.no_sync()
 
     def no_sync(self) -> Any:
         """Skip the gradient all-reduce of a data-parallel wrapper (all but the last micro-batch)."""
