@@ -49,15 +49,16 @@ from lightning_rl.aggregation import (
     normalizer_counts,
 )
 from lightning_rl.checks import check_choice, check_range, check_shapes
-from lightning_rl.preference_losses import DPO_LOSS_TYPES, DPOLossType, dpo_loss
+from lightning_rl.preference_losses import DPO_LOSS_TYPES, DPOLossType, dpo_loss, reward_model_loss
 
 __all__ = [
     "AGGREGATIONS", "AGGREGATORS", "DPO_LOSS_TYPES", "DPOLossType", "KL_ESTIMATORS", "RATIO_LEVELS",
     "TRUST_REGIONS", "Aggregation", "KLEstimator", "RatioLevel", "Surrogate", "TrustRegion", "aggregate",
     "broadcast_advantages", "clipped_surrogate", "dapo_group_keep", "dapo_loss", "dpo_loss",
     "entropy_from_logits", "gae_advantages", "group_advantages", "grpo_loss", "gspo_loss", "kl_penalty",
-    "masked_mean", "normalizer_counts", "overlong_penalty", "policy_loss", "ppo_policy_loss", "sapo_loss",
-    "sequence_log_ratio", "soft_gate_surrogate", "token_log_ratio", "value_loss",
+    "masked_mean", "normalizer_counts", "overlong_penalty", "policy_loss", "ppo_policy_loss",
+    "reward_model_loss", "sapo_loss", "sequence_log_ratio", "soft_gate_surrogate", "token_log_ratio",
+    "value_loss",
 ]
 
 Tensor = torch.Tensor

@@ -1,6 +1,7 @@
-"""Preference losses: DPO and its variants on summed sequence log-probs (pure PyTorch).
+"""Preference losses (pure PyTorch): DPO and its variants on summed sequence log-probs, and the
+Bradley-Terry loss of a scalar reward model (:func:`reward_model_loss`).
 
-Re-exported by :mod:`lightning_rl.losses`. A new variant is a function of ``(h, beta, label_smoothing)``,
+Re-exported by :mod:`lightning_rl.losses`. A new DPO variant is a function of ``(h, beta, label_smoothing)``,
 ``h = (c - rc) - (r - rr)``, registered in ``_DPO_LOSSES`` with its name in :data:`DPO_LOSS_TYPES`.
 """
 
@@ -87,3 +88,40 @@ def dpo_loss(
     return loss, metrics
 
 
+def reward_model_loss(
+    chosen_rewards: Tensor,
+    rejected_rewards: Tensor,
+    margin: Tensor | None = None,
+    center_coef: float = 0.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Bradley-Terry loss of a scalar reward model on preference pairs, averaged over the batch.
+
+    ``loss = -mean(logsigmoid(r_c - r_r - m)) + center_coef * mean((r_c + r_r)^2)``: the margin ``m``
+    (Llama 2; TRL's ``margin`` column) asks the chosen reward to win by at least that much, and the
+    centering term (TRL's ``center_rewards_coefficient``) pulls each pair's mean reward towards 0.
+
+    Args:
+        chosen_rewards, rejected_rewards: ``[B]`` scalar rewards of the chosen / rejected completions.
+        margin: ``[B]`` per-pair margins, or ``None`` (0).
+        center_coef: weight of the centering penalty, >= 0.
+
+    Returns:
+        ``(loss, metrics)`` with ``rm/accuracy`` (fraction with ``r_c > r_r``, strict: ties count as
+        wrong), ``rm/margin`` (mean ``r_c - r_r``, without ``m``) and ``rm/chosen`` / ``rm/rejected``
+        (mean rewards).
+    """
+    check_shapes("chosen_rewards", chosen_rewards, ndim=1, rejected_rewards=rejected_rewards, margin=margin)
+    if not center_coef >= 0:
+        raise ValueError(f"`center_coef` must be >= 0, got {center_coef}")
+    diff = chosen_rewards - rejected_rewards
+    loss = -F.logsigmoid(diff if margin is None else diff - margin).mean()
+    if center_coef > 0:
+        loss = loss + center_coef * ((chosen_rewards + rejected_rewards) ** 2).mean()
+    with torch.no_grad():
+        metrics = {
+            "rm/accuracy": (diff > 0).to(diff.dtype).mean(),
+            "rm/margin": diff.mean(),
+            "rm/chosen": chosen_rewards.mean(),
+            "rm/rejected": rejected_rewards.mean(),
+        }
+    return loss, metrics
