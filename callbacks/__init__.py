@@ -13,6 +13,8 @@ from lightning_rl.callbacks.group_filter import DAPOGroupFilter  # noqa: E402
 from lightning_rl.callbacks.interrupt import CheckpointOnInterrupt  # noqa: E402
 from lightning_rl.callbacks.metrics import PolicyMetrics  # noqa: E402
 from lightning_rl.callbacks.old_policy import OldPolicySnapshot  # noqa: E402
+from lightning_rl.callbacks.predictions import WritePredictions  # noqa: E402
+from lightning_rl.callbacks.samples import LogSamples  # noqa: E402
 from lightning_rl.callbacks.steps import LogAtOptimizerStep, StepProgressBar  # noqa: E402
 
 __all__ = [
@@ -20,8 +22,10 @@ __all__ = [
     "DAPOGroupFilter",
     "ExportPolicy",
     "LogAtOptimizerStep",
+    "LogSamples",
     "OldPolicySnapshot",
     "PolicyMetrics",
     "RLCallback",
     "StepProgressBar",
+    "WritePredictions",
 ]

@@ -39,4 +39,15 @@ class ExportPolicy(L.Callback):
         elif trainer.is_global_zero:
             pl_module.save_pretrained(path)
         rank_zero_info(f"policy saved to {path}")
+        # other trained models (PPO's critic) go to sibling folders named by the module
+        extras = pl_module.extra_exports() if hasattr(pl_module, "extra_exports") else {}
+        for name, holder in extras.items():
+            sibling = os.path.join(os.path.dirname(os.path.abspath(path)), name)
+            state_dict = full_state_dict(holder.model) if gathers_for_export(holder.model) else None
+            if trainer.is_global_zero:
+                if state_dict is None:
+                    holder.save_pretrained(sibling)
+                else:
+                    save_full_pretrained(holder, sibling, state_dict)
+            rank_zero_info(f"{name} saved to {sibling}")
         trainer.strategy.barrier()

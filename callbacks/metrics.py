@@ -12,6 +12,8 @@ from torchmetrics import MeanMetric
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.rollout import Rollout
 
+STEP_STAT_PREFIXES = ("perf/", "rollout/", "critic/", "policy/")  # step statistics that are logged
+
 
 def rollout_stats(rollout: Rollout, group_size: int) -> dict[str, tuple[torch.Tensor, float]]:
     """``rollout/*`` statistics of one rollout as ``{name: (value, weight)}``."""
@@ -77,7 +79,7 @@ class PolicyMetrics(RLCallback):
 
     def on_step_end(self, trainer: L.Trainer, pl_module: Any, stats: Mapping[str, float]) -> None:
         for name, value in stats.items():
-            if name.startswith(("perf/", "rollout/")) and name != "perf/generated_tokens":
+            if name.startswith(STEP_STAT_PREFIXES) and name != "perf/generated_tokens":
                 self._update(pl_module.device, name, value, 1.0)
         for name in agreed_names(self.updated):
             self._metric(pl_module.device, name)

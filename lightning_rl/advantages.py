@@ -141,3 +141,77 @@ def dapo_group_keep(correct: Tensor, group_size: int) -> Tensor:
     _check_groups(correct.shape[0], group_size)
     n_correct = correct.bool().reshape(-1, group_size).sum(-1)
     return (n_correct > 0) & (n_correct < group_size)
+
+
+# ---- PPO: per-token rewards, whitening, the adaptive KL controller, explained variance ----------------
+def token_rewards(scores: Tensor, mask: Tensor, kl: Tensor | None = None, kl_coef: float = 0.0) -> Tensor:
+    """Per-token rewards for GAE: ``-kl_coef * kl_t`` on every valid token, plus the sequence score on
+    the last valid token of its row (InstructGPT / verl's KL-in-reward form). Rows without a valid token
+    get no reward.
+
+    Args:
+        scores: ``[B]`` sequence rewards. mask: ``[B, T]`` valid completion tokens (right-padded).
+        kl: ``[B, T]`` per-token KL to the reference (e.g. ``kl_penalty(..., "k1")``), or None.
+        kl_coef: its weight (>= 0).
+
+    Returns:
+        ``[B, T]`` float rewards, 0 on padding.
+    """
+    check_shapes("mask", mask, ndim=2, kl=kl)
+    if scores.shape != mask.shape[:1]:
+        raise ValueError(f"`scores` has shape {tuple(scores.shape)}, expected ({mask.shape[0]},)")
+    m = mask.to(torch.float32)
+    out = torch.zeros_like(m)
+    if kl is not None and kl_coef:
+        out = out - kl_coef * kl.float() * m
+    lengths = mask.long().sum(1)
+    rows = torch.nonzero(lengths > 0).squeeze(1)
+    out[rows, lengths[rows] - 1] += scores[rows].float()
+    return out
+
+
+def masked_moments(x: Tensor, mask: Tensor) -> Tensor:
+    """``[sum, sum of squares, count]`` of ``x`` over ``mask`` (float64, to be summed over ranks)."""
+    check_shapes("x", x, mask=mask)
+    m = mask.bool()
+    v = x.detach().double()[m]
+    return torch.stack([v.sum(), (v * v).sum(), v.new_tensor(float(v.numel()))])
+
+
+def moments_mean_var(moments: Tensor) -> tuple[Tensor, Tensor]:
+    """Mean and unbiased variance from :func:`masked_moments` (summed over any number of ranks)."""
+    total, total_sq, count = moments.unbind()
+    mean = total / count.clamp_min(1)
+    var = (total_sq - count * mean * mean) / (count - 1).clamp_min(1)
+    return mean, var.clamp_min(0)
+
+
+def whiten(x: Tensor, mask: Tensor, moments: Tensor | None = None, eps: float = 1e-8) -> Tensor:
+    """``(x - mean) / sqrt(var + eps)`` on valid tokens, 0 on padding.
+
+    ``moments`` (from :func:`masked_moments`, summed over ranks) makes the statistics those of the whole
+    global batch; ``None`` uses ``x``'s own.
+    """
+    mean, var = moments_mean_var(masked_moments(x, mask) if moments is None else moments)
+    out = (x - mean.to(x.dtype)) * torch.rsqrt(var.to(x.dtype) + eps)
+    return torch.where(mask.bool(), out, torch.zeros_like(out))
+
+
+def explained_variance(residual_moments: Tensor, returns_moments: Tensor) -> Tensor:
+    """``1 - Var(returns - values) / Var(returns)`` from the moments of the residual and of the returns
+    (1: the critic predicts the returns; 0: no better than their mean; negative: worse)."""
+    _, var_res = moments_mean_var(residual_moments)
+    _, var_ret = moments_mean_var(returns_moments)
+    return 1.0 - var_res / var_ret.clamp_min(1e-12)
+
+
+def adaptive_kl_coef(coef: float, kl: float, target: float, n_steps: int, horizon: int) -> float:
+    """Ziegler et al. (2019)'s proportional controller, as in TRL / verl: the KL coefficient after a batch
+    of ``n_steps`` samples whose mean KL (summed over tokens) was ``kl``.
+
+    ``coef * (1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon)``.
+    """
+    if not target > 0 or not horizon > 0:
+        raise ValueError(f"`kl_target` and `kl_horizon` must be > 0, got {target} and {horizon}")
+    error = min(max(kl / target - 1.0, -0.2), 0.2)
+    return coef * (1.0 + error * n_steps / horizon)

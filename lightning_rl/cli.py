@@ -4,12 +4,16 @@
     lightning-rl fit --config configs/grpo.yaml --trainer.strategy ddp --trainer.devices 2
     lightning-rl fit --config configs/grpo.yaml --ckpt_path last     # resume the newest checkpoint
     lightning-rl fit --config configs/sft.yaml --print_config
+    lightning-rl predict --config configs/grpo.yaml --data.init_args.predict_path heldout.jsonl \
+        --model.init_args.model runs/lightning-rl/version_0/policy --predictions.num_generations 4
 
 Models and DataModules are chosen by ``class_path`` (subclass mode), YAML is parsed with omegaconf so
 ``${...}`` interpolation works, each run's full config is saved next to its TensorBoard logs (a new
 ``version_N`` folder per run, so nothing is overwritten) and logged as its hyperparameters, and TensorBoard
 is the default logger. ``--ckpt_path last`` resumes the newest checkpoint of the experiment (the logger's
-``save_dir``/``name``, across its version folders) into a new version folder.
+``save_dir``/``name``, across its version folders) into a new version folder. ``predict`` takes its settings
+(``--predictions.output``, ``--predictions.num_generations``, ``--predictions.temperature``) from
+:class:`~lightning_rl.callbacks.WritePredictions`, which writes ``<log_dir>/predictions.jsonl``.
 """
 
 from __future__ import annotations
@@ -88,6 +92,16 @@ class LightningRLCLI(LightningCLI):
             args=args,
             run=run,
         )
+
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> Any:
+        """``predict`` also takes ``--predictions.*``: the ``WritePredictions`` callback's arguments
+        (LightningCLI adds a callback given as a class group to the trainer's callbacks)."""
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        if subcommand == "predict":
+            from lightning_rl.callbacks import WritePredictions
+
+            parser.add_lightning_class_args(WritePredictions, "predictions")
+        return parser
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
         super().parse_arguments(parser, args)

@@ -33,11 +33,17 @@ import torch
 from lightning_rl.advantages import (
     KL_ESTIMATORS,
     KLEstimator,
+    adaptive_kl_coef,
     dapo_group_keep,
+    explained_variance,
     gae_advantages,
     group_advantages,
     kl_penalty,
+    masked_moments,
+    moments_mean_var,
     overlong_penalty,
+    token_rewards,
+    whiten,
 )
 from lightning_rl.aggregation import (
     AGGREGATIONS,
@@ -58,7 +64,8 @@ __all__ = [
     "entropy_from_logits", "gae_advantages", "group_advantages", "grpo_loss", "gspo_loss", "kl_penalty",
     "masked_mean", "normalizer_counts", "overlong_penalty", "policy_loss", "ppo_policy_loss",
     "reward_model_loss", "sapo_loss", "sequence_log_ratio", "soft_gate_surrogate", "token_log_ratio",
-    "value_loss",
+    "value_loss", "adaptive_kl_coef", "explained_variance", "masked_moments", "moments_mean_var",
+    "token_rewards", "whiten",
 ]
 
 Tensor = torch.Tensor

@@ -212,6 +212,8 @@ class PolicyModule(L.LightningModule):
         from lightning_rl import callbacks as cbs
 
         wanted = [cbs.ExportPolicy(), cbs.CheckpointOnInterrupt(), cbs.LogAtOptimizerStep()]
+        if self.trainer.predicting:  # predict writes its rows (the CLI adds one, set by `--predictions.*`)
+            wanted.append(cbs.WritePredictions())
         callbacks = [cb for cb in wanted if not has_callback(self.trainer, type(cb))]
         bar = self.trainer.progress_bar_callback
         if type(bar) in (TQDMProgressBar, RichProgressBar):
@@ -250,13 +252,19 @@ class PolicyModule(L.LightningModule):
                                    synced_gpus=synced)
         return self.decode(gen.completion_ids, gen.completion_mask), gen.lengths.tolist()
 
-    def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
+    def validation_step(self, batch: dict[str, list], batch_idx: int) -> dict[str, Any]:
+        """Greedy completions of the batch's held-out prompts, scored into ``val/accuracy`` (and the
+        subclass's ``validation_extra``). Returns what callbacks may show (``LogSamples``): the real rows'
+        ``prompts``, ``completions``, ``lengths``, ``correct`` and other data ``columns``."""
         batch, weight = real_rows(batch)
         completions, lengths = self.greedy(batch["prompt"])
-        scores = self.correct(batch["prompt"], completions, batch_columns(batch))
+        columns = batch_columns(batch)
+        scores = self.correct(batch["prompt"], completions, columns)
         acc = torch.tensor([float(s) for s in scores], device=self.device)
         self.log_val_mean("val/accuracy", acc.mean(), weight)
         self.validation_extra(batch, completions, lengths, weight)
+        return {"prompts": batch["prompt"], "completions": completions, "lengths": lengths, "correct": scores,
+                "columns": columns}
 
     def correct(self, prompts: Sequence[Any], completions: list[str], columns: dict[str, list]) -> list[Any]:
         """Per-completion correctness, whose mean is ``val/accuracy``: ``accuracy_fn`` here."""
@@ -266,6 +274,60 @@ class PolicyModule(L.LightningModule):
         self, batch: dict[str, list], completions: list[str], lengths: list[int], weight: float
     ) -> None:
         """Hook for subclasses to log more validation metrics from the same greedy completions."""
+
+    def sample_rewards(
+        self, prompts: Sequence[Any], completions: list[str], lengths: list[int], columns: dict[str, list]
+    ) -> list[float]:
+        """The reward of each completion, for predictions and sample tables: the module's reward
+        functions (``self.rewards``, weighted, without overlong shaping: what ``val/reward_mean`` averages)
+        when it has them, else ``accuracy_fn`` as a reward (DPO, SFT)."""
+        rewards = getattr(self, "rewards", None)
+        if callable(rewards):
+            scores, _ = rewards(prompts, completions, completion_lengths=lengths, **columns)
+            return [float(s) for s in scores]
+        return [float(s) for s in self.accuracy_fn(prompts=prompts, completions=completions, **columns)]
+
+    # ---- predict: completions of held-out prompts, scored (``lightning-rl predict``) -------------------
+    def predict_step(self, batch: dict[str, list], batch_idx: int) -> list[dict[str, Any]]:
+        """Generate for the batch's prompts as the ``WritePredictions`` callback asks (greedy, or
+        ``num_generations`` samples each at its temperature), score each sample with ``sample_rewards`` and
+        ``correct``, and return one row per sample of a real prompt (placeholder rows, which only give every
+        rank as many batches, are generated for, then left out). See ``WritePredictions`` for the fields.
+        """
+        from lightning_rl.callbacks.predictions import WritePredictions
+        from lightning_rl.data.prompts import ROW_INDEX_KEY
+
+        if not hasattr(self.policy, "generate"):
+            raise ValueError(f"`predict` generates completions: {type(self).__name__} has no policy to run")
+        writer = next((cb for cb in self.trainer.callbacks if isinstance(cb, WritePredictions)), None)
+        writer = writer or WritePredictions()
+        n, temperature = writer.num_generations, writer.temperature
+        sample = n > 1 or temperature is not None
+        temperature = temperature if temperature is not None else getattr(self, "temperature", 1.0)
+        ids, mask = self.encode_prompts(batch["prompt"])
+        gen = self.policy.generate(
+            ids, mask, num_samples=n, max_new_tokens=self.max_new_tokens, do_sample=sample,
+            temperature=temperature, top_p=getattr(self, "top_p", 1.0), top_k=getattr(self, "top_k", 0),
+            synced_gpus=needs_synced_generation(self._trainer, self.policy.model),  # ranks' lengths differ
+        )
+        completions, lengths = self.decode(gen.completion_ids, gen.completion_mask), gen.lengths.tolist()
+        data = {k: v for k, v in batch_columns(batch).items() if k != ROW_INDEX_KEY}
+        prompts = [p for p in batch["prompt"] for _ in range(n)]
+        columns = {k: [v for v in values for _ in range(n)] for k, values in data.items()}
+        rewards = self.sample_rewards(prompts, completions, lengths, columns)
+        correct = self.correct(prompts, completions, columns)
+        weights = batch.get(VAL_WEIGHT_KEY) or [1.0] * len(batch["prompt"])
+        index = batch.get(ROW_INDEX_KEY) or list(range(len(batch["prompt"])))
+        rows = []
+        for i in range(len(completions)):
+            row_idx = i // n
+            if weights[row_idx] <= 0:
+                continue
+            answer = {"answer": columns["answer"][i]} if "answer" in columns else {}
+            rows.append({"index": int(index[row_idx]), "sample": i % n, "prompt": prompts[i], **answer,
+                         "completion": completions[i], "reward": rewards[i], "correct": bool(correct[i]),
+                         "length": int(lengths[i])})
+        return rows
 
     # ---- validation metrics: exact means over held-out rows on any world size ---------------------
     def on_validation_epoch_start(self) -> None:

@@ -26,17 +26,19 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch.utilities import rank_zero_only
 
-from lightning_rl.algorithms.base import PolicyModule, batch_columns, has_callback
+from lightning_rl.algorithms.base import PolicyModule, batch_columns, has_callback, render_prompts
 from lightning_rl.losses import (
     Aggregation,
     KLEstimator,
     RatioLevel,
     TrustRegion,
+    aggregate,
     group_advantages,
     masked_mean,
     normalizer_counts,
 )
 from lightning_rl.objective import Objective
+from lightning_rl.reward_model import RewardModelScorer
 from lightning_rl.rewards import RewardScorer, RewardScores, import_reward, overlong_reward
 from lightning_rl.rollout import Rollout, exclude_nonfinite, merge_stats
 from lightning_rl.sharding import (
@@ -59,6 +61,13 @@ def warn_rank_zero(message: str) -> None:
     log.warning(message)
 
 
+def pad_fraction(micro: Rollout) -> torch.Tensor:
+    """The share of a training micro-batch's positions (prompt + completion) that are padding."""
+    total = micro.prompt_ids.numel() + micro.completion_ids.numel()
+    real = micro.prompt_mask.sum() + micro.completion_mask.sum()
+    return 1.0 - real.float() / max(total, 1)
+
+
 class OnlineRL(PolicyModule):
     """Online RL on prompts with verifiable or model-scored rewards (GRPO family; PPO extends it).
 
@@ -66,8 +75,14 @@ class OnlineRL(PolicyModule):
         num_generations: completions sampled per prompt (G >= 2); the group of a group-relative baseline.
         temperature, top_p, top_k: sampling settings. Log-probs are scored at the same temperature,
             without the top-k / top-p filter (see the module docstring).
-        reward_fns: reward functions by import path, ``package.module:function``.
+        reward_fns: reward functions by import path, ``package.module:function`` (default: ``exact_match``,
+            or none when a ``reward_model`` is given).
         reward_weights: one weight per reward function (default 1 each).
+        reward_model: a reward-model folder or hub id (``RewardModel``'s export, or any one-label
+            ``AutoModelForSequenceClassification``) whose score of the rendered prompt + completion text is
+            added to the reward functions' total; it re-tokenises that text with its own tokenizer, runs
+            batched under ``no_grad``, and is kept out of checkpoints and optimisers (whole on every rank).
+        reward_model_weight: weight of the reward model's score.
         correctness_fn: ``module:function`` deciding correctness: ``rollout.correct`` (DAPO's group
             filter, ``rollout/correct_frac``) and ``val/accuracy``; ``None`` uses ``accuracy_fn``.
         on_reward_error: ``raise`` stops on a reward function error or NaN; ``zero`` scores it 0, counts
@@ -89,6 +104,8 @@ class OnlineRL(PolicyModule):
             as ``rollout/overlong_penalty_mean`` (first generation round; 0.0 when off).
         overlong_penalty_factor: weight of the overlong penalty added to the reward.
         mask_truncated: leave completions that hit ``max_new_tokens`` out of the loss.
+        entropy_coef: weight of an entropy bonus, ``- entropy_coef * aggregate(entropy)`` (same aggregation
+            and normalisers as the policy loss); 0: off (entropy is still logged as ``policy/entropy``).
         dynamic_sampling: keep only groups with mixed correctness, refilling from new prompts
             (DAPO), for up to ``max_gen_batches`` generation rounds per step.
         rollout_seed: sampling is seeded by (this, step, rank), so a resumed run samples exactly
@@ -105,6 +122,8 @@ class OnlineRL(PolicyModule):
         top_k: int = 0,
         reward_fns: list[str] | None = None,
         reward_weights: list[float] | None = None,
+        reward_model: str | None = None,
+        reward_model_weight: float = 1.0,
         correctness_fn: str | None = None,
         on_reward_error: Literal["raise", "zero"] = "raise",
         max_reward_error_frac: float = 0.5,
@@ -126,6 +145,7 @@ class OnlineRL(PolicyModule):
         overlong_buffer: int | Literal["auto"] | None = None,
         overlong_penalty_factor: float = 1.0,
         mask_truncated: bool = False,
+        entropy_coef: float = 0.0,
         dynamic_sampling: bool = False,
         max_gen_batches: int = 3,
         rollout_seed: int = 0,
@@ -133,10 +153,11 @@ class OnlineRL(PolicyModule):
     ) -> None:
         super().__init__(*args, **kwargs)
         self.automatic_optimization = False
-        if num_generations < 2:
-            raise ValueError(
-                f"`model.num_generations` must be >= 2 for group advantages, got {num_generations}"
-            )
+        if num_generations < self.min_generations:
+            raise ValueError(f"`model.num_generations` must be >= {self.min_generations} for "
+                             f"{type(self).__name__}'s advantages, got {num_generations}")
+        if entropy_coef < 0:
+            raise ValueError(f"`model.entropy_coef` must be >= 0, got {entropy_coef}")
         for key, value in {"ppo_epochs": ppo_epochs, "num_minibatches": num_minibatches,
                            "max_gen_batches": max_gen_batches, "temperature": temperature}.items():
             if not value > 0:
@@ -159,15 +180,22 @@ class OnlineRL(PolicyModule):
         )
         self.num_generations, self.temperature = num_generations, temperature
         self.top_p, self.top_k = top_p, top_k
-        reward_fns = reward_fns or ["lightning_rl.rewards:exact_match"]
-        self.rewards = RewardScorer(reward_fns, reward_weights, on_reward_error, max_reward_error_frac)
+        if reward_fns is None and reward_model is None:
+            reward_fns = ["lightning_rl.rewards:exact_match"]
+        self.rewards = (RewardScorer(reward_fns, reward_weights, on_reward_error, max_reward_error_frac)
+                        if reward_fns is not None else None)
+        # a plain object (not an nn.Module): outside the module tree, so never checkpointed or optimised
+        remote = kwargs.get("trust_remote_code", False)
+        self.reward_model = (RewardModelScorer(reward_model, trust_remote_code=remote)
+                             if reward_model is not None else None)
+        self.reward_model_weight = reward_model_weight
         self.correctness_fn = import_reward(correctness_fn) if correctness_fn else self.accuracy_fn
         self.scale_advantages = scale_advantages
         self.ppo_epochs, self.num_minibatches = ppo_epochs, num_minibatches
         self.micro_batch_size = micro_batch_size
         self.max_grad_norm = max_grad_norm
         self.overlong_buffer, self.overlong_penalty_factor = overlong_buffer or None, overlong_penalty_factor
-        self.mask_truncated = mask_truncated
+        self.mask_truncated, self.entropy_coef = mask_truncated, entropy_coef
         self.dynamic_sampling, self.max_gen_batches = dynamic_sampling, max_gen_batches
         self.rollout_seed = rollout_seed
         # The reference is the policy as loaded, before any update (also when resuming, where the
@@ -175,6 +203,8 @@ class OnlineRL(PolicyModule):
         # __dict__ entry): frozen, never in checkpoints or optimisers; moved to the device in on_fit_start.
         self.__dict__["_reference"] = self.policy.reference() if self.objective.needs_reference else None
         self._generation_round = 0
+
+    min_generations = 2  # group-relative advantages need a group; PPO's critic does not
 
     @property
     def updates_per_rollout(self) -> int:
@@ -197,6 +227,8 @@ class OnlineRL(PolicyModule):
         self.policy.disable_dropout()  # log-probs must match what sampling saw
         if self._reference is not None:
             self._reference.to(self.device)
+        if self.reward_model is not None:
+            self.reward_model.to(self.device)
 
     def deepspeed_defaults(self) -> dict[str, Any]:
         """Under DeepSpeed the engine clips (after unscaling, on its partitions): ``max_grad_norm`` goes
@@ -232,9 +264,8 @@ class OnlineRL(PolicyModule):
         texts = self.decode(gen.completion_ids, gen.completion_mask)
         prompts = [p for p in batch["prompt"] for _ in range(G)]
         columns = {k: [v for v in vals for _ in range(G)] for k, vals in batch_columns(batch).items()}
-        scores = self.rewards.score(prompts, texts, completion_lengths=gen.lengths.tolist(), **columns)
+        rewards, scores = self.score_completions(prompts, texts, gen.lengths.tolist(), columns)
         self.check_reward_errors(scores, decide=first_round)
-        rewards = torch.tensor(scores.totals, dtype=torch.float32, device=self.device)
         penalty = self.overlong_shaping(gen.lengths)
         if self.overlong_buffer is not None:
             rewards = rewards + penalty
@@ -247,13 +278,32 @@ class OnlineRL(PolicyModule):
             completion_mask=completion_mask, truncated=gen.truncated, lengths=gen.lengths,
             group_ids=torch.arange(len(batch["prompt"]), device=self.device).repeat_interleave(G),
             rewards=rewards, correct=torch.tensor([bool(c) for c in correct], device=self.device),
-            advantages=group_advantages(rewards, G, scale=self.scale_advantages),
+            # one sample per prompt (PPO) has no group baseline: the critic's advantages replace these
+            advantages=group_advantages(rewards, G, scale=self.scale_advantages) if G > 1
+            else torch.zeros_like(rewards),
         )
         stats = {"perf/generation_time": gen_time, "rollout/reward_errors": float(len(scores.failed)),
                  "perf/generated_tokens": float(gen.lengths.sum())}
         if first_round:  # refill rounds' statistics are summed into the step's, which a mean cannot be
             stats["rollout/overlong_penalty_mean"] = float(penalty.mean()) if len(penalty) else 0.0
         return rollout, stats
+
+    def score_completions(
+        self, prompts: list[Any], texts: list[str], lengths: list[int], columns: dict[str, list]
+    ) -> tuple[torch.Tensor, RewardScores]:
+        """``[N]`` rewards: the reward functions' weighted total plus the weighted reward-model score; and
+        the functions' scores (failures included) for ``check_reward_errors``."""
+        if self.rewards is not None:
+            scores = self.rewards.score(prompts, texts, completion_lengths=lengths, **columns)
+        else:
+            scores = RewardScores([0.0] * len(texts), frozenset(), [])
+        rewards = torch.tensor(scores.totals, dtype=torch.float32, device=self.device)
+        if self.reward_model is not None and texts:
+            rendered = render_prompts(self.tokenizer, prompts, self.chat_template)
+            special = all(self.add_special_tokens(prompts))  # a chat template already holds the specials
+            model_scores = self.reward_model.score(rendered, texts, add_special_tokens=special)
+            rewards = rewards + self.reward_model_weight * model_scores.to(self.device).float()
+        return rewards, scores
 
     def overlong_shaping(self, lengths: torch.Tensor) -> torch.Tensor:
         """The overlong penalty added to each completion's reward, [N] float; zeros when shaping is off."""
@@ -271,7 +321,8 @@ class OnlineRL(PolicyModule):
         it exactly once per step, whereas dynamic sampling refills a rank-dependent number of times, so
         a collective there could hang. Refill failures are still counted and warned about.
         """
-        if decide and self.rewards.limits_failures:  # the same on every rank: a symmetric collective
+        limits = self.rewards is not None and self.rewards.limits_failures
+        if decide and limits:  # the same on every rank: a symmetric collective
             counts = torch.tensor([len(scores.failed), len(scores.totals)], dtype=torch.float32,
                                   device=self.device)
             failed, total = self.trainer.strategy.reduce(counts, reduce_op="sum").tolist()
@@ -321,32 +372,45 @@ class OnlineRL(PolicyModule):
         for cb in self.rl_callbacks():
             rollout, extra = cb.on_rollout_scored(self.trainer, self, rollout)
             stats = merge_stats(stats, extra)
+        start = time.perf_counter()
         if self._reference is not None and len(rollout):
             rollout.ref_logp = self.logprobs(rollout, self._reference)
+        stats["perf/reference_time"] = time.perf_counter() - start
         return rollout, stats
 
     # ---- update ---------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
         start = time.perf_counter()
         rollout, stats = self.collect_rollout(batch)
-        for cb in self.rl_callbacks():
+        old_start = time.perf_counter()
+        for cb in self.rl_callbacks():  # OldPolicySnapshot scores the behaviour log-probs here
             cb.on_rollout_end(self.trainer, self, rollout)
+        stats["perf/old_logprob_time"] = time.perf_counter() - old_start
         if self.updates_per_rollout > 1 and rollout.old_logp is None and len(rollout):
             raise RuntimeError(
                 "ppo_epochs * num_minibatches > 1 needs behaviour log-probs: "
                 "keep the OldPolicySnapshot callback"
             )
         rollout, excluded = exclude_nonfinite(rollout)
+        rollout, extra = self.prepare_update(rollout)
+        stats = merge_stats(stats, extra)
         step = self.trainer.fit_loop.total_batch_idx
         generator = torch.Generator().manual_seed(self.rollout_seed * 1_000_003 + step)
+        update_start = time.perf_counter()
         for _ in range(self.ppo_epochs):
             for minibatch in self.split_minibatches(rollout, generator):
                 self.update(minibatch)
         step_time = time.perf_counter() - start
         stats = merge_stats(stats, {"rollout/excluded_tokens": excluded, "perf/step_time": step_time,
+                                    "perf/update_time": time.perf_counter() - update_start,
                                     "perf/tokens_per_sec": stats["perf/generated_tokens"] / step_time})
         for cb in self.rl_callbacks():
             cb.on_step_end(self.trainer, self, MappingProxyType(stats))
+
+    def prepare_update(self, rollout: Rollout) -> tuple[Rollout, dict[str, float]]:
+        """Hook between the rollout (scored, filtered, behaviour log-probs) and the updates; PPO adds
+        values, per-token advantages and returns here. Returns the rollout and step statistics."""
+        return rollout, {}
 
     def split_minibatches(self, rollout: Rollout, generator: torch.Generator) -> list[Rollout]:
         """``num_minibatches`` shuffled minibatches (some may be empty when the rollout is small)."""
@@ -355,7 +419,7 @@ class OnlineRL(PolicyModule):
 
     def update(self, minibatch: Rollout) -> None:
         """One optimiser step on ``minibatch``, accumulated over micro-batches."""
-        opt = self.optimizers()
+        optimizers = self.stepped_optimizers()
         num_tokens, num_seqs = self.global_counts(minibatch)
         world = self.trainer.world_size
         size = self.micro_batch_size or max(len(minibatch), 1)
@@ -363,21 +427,46 @@ class OnlineRL(PolicyModule):
         # sharded: every rank runs as many micro-batches (the extra ones empty, joining with a zero loss)
         missing = agreed_count(self.trainer, self.policy.model, len(micros), backward=True) - len(micros)
         micros += [minibatch.select(torch.arange(0, device=minibatch.completion_ids.device))] * missing
-        opt.zero_grad()
+        for opt in optimizers:
+            opt.zero_grad()
         for i, micro in enumerate(micros):
             with self.accumulating(last=i == len(micros) - 1):
                 if len(micro) == 0:  # this rank has nothing, but must join the gradient all-reduce
-                    self.manual_backward(zero_loss(self.policy, self.trainer))
+                    self.manual_backward(self.empty_loss())
                     continue
                 loss, metrics = self.micro_loss(micro, num_tokens, num_seqs)
                 # data-parallel strategies average gradients over ranks; the normalisers are already global
                 self.manual_backward(loss * world)
-            # the minibatch loss is the sum of micro losses: report loss/share with weight share
+            # each minibatch loss is the sum of its micro losses: report loss/share with weight share
             share = len(micro) / len(minibatch)
-            metrics["policy/loss"] = loss.detach() * world / share
+            for name in self.summed_metrics:
+                if name in metrics:
+                    metrics[name] = metrics[name].detach() * world / share
+            metrics["perf/pad_frac"] = pad_fraction(micro)
             for cb in self.rl_callbacks():
                 cb.on_update_end(self.trainer, self, metrics, share)
-        opt.step()  # clipped in on_before_optimizer_step, after the precision plugin unscaled them
+        for i, opt in enumerate(optimizers):
+            self.step_optimizer(opt, counts=i == 0)
+
+    summed_metrics: tuple[str, ...] = ("policy/loss",)  # micro-batch terms of a minibatch sum (see update)
+
+    def stepped_optimizers(self) -> list[Any]:
+        """The optimisers ``update`` steps (PPO: also the critic's; only the critic's while it warms up)."""
+        opts = self.optimizers()
+        return list(opts) if isinstance(opts, list) else [opts]
+
+    def empty_loss(self) -> torch.Tensor:
+        """The zero loss of a micro-batch a rank does not have (see ``sharding.zero_loss``)."""
+        return zero_loss(self.policy, self.trainer)
+
+    def step_optimizer(self, opt: Any, counts: bool = True) -> None:
+        """Step ``opt`` (clipped in on_before_optimizer_step, after the precision plugin unscaled), then its
+        LR scheduler. ``counts``: as a trainer step (``global_step``); another optimiser stepped in the same
+        update (PPO's critic) goes through the strategy directly, so one trainer step stays one update."""
+        if counts:
+            opt.step()
+        else:
+            self.trainer.strategy.optimizer_step(opt.optimizer, closure=lambda: None, model=self)
         engine = deepspeed_engine(self.trainer)
         if engine is not None:  # the engine clipped and stepped the scheduler itself
             norm = engine.get_global_grad_norm()
@@ -386,26 +475,33 @@ class OnlineRL(PolicyModule):
                 for cb in self.rl_callbacks():
                     cb.on_update_end(self.trainer, self, {"policy/grad_norm": norm}, 1.0)
             return
-        scheduler = self.lr_schedulers()
-        if scheduler is not None:
-            scheduler.step()
+        for config in self.trainer.lr_scheduler_configs:
+            if config.scheduler.optimizer is opt.optimizer:
+                config.scheduler.step()
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
-        """Clip by global norm through Lightning (right under AMP, FSDP2, DeepSpeed); log the norm before."""
+        """Clip by global norm through Lightning (right under AMP, FSDP2); log the norm before clipping.
+
+        Each optimiser's own parameters (PPO: policy and critic separately), logged as
+        ``grad_norm_name(optimizer)``. DeepSpeed: the engine clips in its step and reports the norm.
+        """
         if self.max_grad_norm is None or deepspeed_engine(self.trainer) is not None:
-            return  # DeepSpeed: the engine clips in its step (``gradient_clipping``) and reports the norm
-        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
         norm = full_value(norm)  # FSDP2: a DTensor of partial norms; the global norm on every rank
         if is_sharded(self.policy.model):
             # clip_grad_norm_ reduces the DTensor norm over the mesh itself: the same clip on every shard
-            params = [p for group in optimizer.param_groups for p in group["params"]]
             torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
         else:
             self.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm,
                                 gradient_clip_algorithm="norm")
         for cb in self.rl_callbacks():
-            cb.on_update_end(self.trainer, self, {"policy/grad_norm": norm.detach()}, 1.0)
+            cb.on_update_end(self.trainer, self, {self.grad_norm_name(optimizer): norm.detach()}, 1.0)
+
+    def grad_norm_name(self, optimizer: Any) -> str:
+        return "policy/grad_norm"
 
     def global_counts(self, minibatch: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
         """Valid tokens and non-empty rows of the minibatch summed over all ranks."""
@@ -427,16 +523,25 @@ class OnlineRL(PolicyModule):
 
     def no_sync(self) -> Any:
         """Skip the gradient all-reduce of a data-parallel wrapper (all but the last micro-batch)."""
-        if is_sharded(self.policy.model):  # FSDP2: no wrapper; the policy's model is the sharded root
-            return no_gradient_sync(self.policy.model)
+        if is_sharded(self.policy.model):  # FSDP2: no wrapper; each trained model is a sharded root
+            stack = contextlib.ExitStack()
+            for root in self.sharded_roots():
+                stack.enter_context(no_gradient_sync(root))
+            return stack
         wrapped = getattr(self.trainer.strategy, "model", None)
         if wrapped is self or not hasattr(wrapped, "no_sync"):  # single device: strategy.model is this module
             return contextlib.nullcontext()
         return wrapped.no_sync()
 
+    def sharded_roots(self) -> list[Any]:
+        """The FSDP2 roots trained by ``update`` (PPO adds its critic)."""
+        return [self.policy.model]
+
     def micro_loss(
         self, micro: Rollout, num_tokens: torch.Tensor, num_seqs: torch.Tensor
     ) -> tuple[torch.Tensor, dict]:
+        """The policy loss of one micro-batch (normalised by the minibatch's global counts), and metrics
+        (``policy/loss`` is this loss; ``update`` rescales it to the minibatch)."""
         logp, entropy = self.policy.token_logprobs(
             micro.prompt_ids, micro.prompt_mask, micro.completion_ids, micro.completion_mask,
             with_entropy=True, **self.scoring_kwargs,
@@ -444,7 +549,12 @@ class OnlineRL(PolicyModule):
         old_logp = micro.old_logp if micro.old_logp is not None else logp.detach()
         loss, metrics = self.objective(logp, old_logp, micro.ref_logp, micro.advantages,
                                        micro.completion_mask, num_tokens=num_tokens, num_seqs=num_seqs)
+        if self.entropy_coef:
+            bonus = aggregate(entropy, micro.completion_mask, self.objective.aggregation,
+                              num_tokens=num_tokens, num_seqs=num_seqs)
+            loss = loss - self.entropy_coef * bonus
         metrics["policy/entropy"] = masked_mean(entropy.detach(), micro.completion_mask.bool())
+        metrics["policy/loss"] = loss
         return loss, metrics
 
     def correct(self, prompts: list[Any], completions: list[str], columns: dict[str, list]) -> list[Any]:
@@ -455,8 +565,7 @@ class OnlineRL(PolicyModule):
     def validation_extra(
         self, batch: dict[str, list], completions: list[str], lengths: list[int], weight: float
     ) -> None:
-        scores, _ = self.rewards(batch["prompt"], completions, completion_lengths=lengths,
-                                 **batch_columns(batch))
-        self.log_val_mean("val/reward_mean", torch.tensor(scores, dtype=torch.float32).mean(), weight)
+        rewards, _ = self.score_completions(batch["prompt"], completions, lengths, batch_columns(batch))
+        self.log_val_mean("val/reward_mean", rewards.mean(), weight)
 
 

@@ -1,0 +1,147 @@
+"""The PPO critic: a token-classification model with one label, predicting a value per completion token.
+
+By default it starts from the policy's own weights (the backbone copied, a fresh scalar head), as verl and
+OpenRLHF do; ``critic_model`` may instead name a folder or hub id, e.g. a reward model trained with
+``configs/reward_model.yaml`` (its backbone and ``score`` weights load; a token-classification head also
+has a bias, which starts at 0). The critic reads the policy's token ids, so its vocabulary must match.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import AutoModelForTokenClassification
+
+from lightning_rl.models import EMBEDDED_MODEL, hub_error, hub_unreachable, looks_local
+from lightning_rl.policy import Policy
+from lightning_rl.scoring import base_model
+
+
+def _zero_dropout(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+def _head(model: nn.Module) -> nn.Linear | None:
+    head = getattr(model, "score", None) or getattr(model, "classifier", None)
+    return head if isinstance(head, nn.Linear) else None
+
+
+class Critic(nn.Module):
+    """A value model over the policy's tokens.
+
+    Args:
+        model: a Hugging Face ``*ForTokenClassification`` model with ``num_labels == 1``.
+        tokenizer: the policy's tokenizer (padding, export).
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Any) -> None:
+        super().__init__()
+        if getattr(model.config, "num_labels", None) != 1:
+            raise ValueError(f"the critic must have one label, got num_labels={model.config.num_labels}")
+        self.model = model
+        self.tokenizer = tokenizer
+        _zero_dropout(model)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+    def values(
+        self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor
+    ) -> Tensor:
+        """``[N, C]`` float32 values of the states before each completion token (0 on padding).
+
+        Position ``t`` of the completion is scored from the hidden state that predicted token ``t`` (the
+        same shift as the policy's log-probs, as verl's critic does).
+        """
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        keep = completion_ids.shape[1] + 1
+        values = out.logits[:, -keep:-1, 0].float()
+        return values.masked_fill(completion_mask == 0, 0.0)
+
+    forward = values  # DDP / FSDP wrappers route through forward
+
+    def save_pretrained(self, path: str) -> None:
+        """Write the critic as a folder that ``AutoModelForTokenClassification`` loads, with the tokenizer."""
+        self.model.save_pretrained(path)
+        side = self.tokenizer.padding_side
+        self.tokenizer.padding_side = getattr(self.tokenizer, "_export_padding_side", side)
+        try:
+            self.tokenizer.save_pretrained(path)
+        finally:
+            self.tokenizer.padding_side = side
+
+
+def critic_from_policy(policy: Policy) -> Critic:
+    """A critic whose backbone is a copy of the policy's and whose scalar head is fresh (bias 0)."""
+    lm = base_model(policy.model)
+    config = copy.deepcopy(lm.config)
+    config.num_labels = 1
+    config.id2label, config.label2id = {0: "value"}, {"value": 0}
+    model = AutoModelForTokenClassification.from_config(config, dtype=lm.dtype)
+    backbone = getattr(model, model.base_model_prefix)
+    weights = getattr(lm, lm.base_model_prefix).state_dict()
+    missing, unexpected = backbone.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"could not copy the policy's backbone into the critic: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+    head = _head(model)
+    if head is not None and head.bias is not None:
+        nn.init.zeros_(head.bias)
+    return Critic(model, policy.tokenizer)
+
+
+def load_critic(
+    source: str | None, policy: Policy, dtype: str | None = None, trust_remote_code: bool = False,
+    key: str = "model.critic_model",
+) -> Critic:
+    """The critic named by ``source`` (the config key ``key``, for messages), or one from the policy.
+
+    ``source`` may be ``None`` (the policy's weights), ``builtin:tiny-sort``, a local folder or a hub id
+    of any model ``AutoModelForTokenClassification`` can build (a causal LM, a reward model, a critic).
+    """
+    if source is None:
+        return critic_from_policy(policy)
+    path = EMBEDDED_MODEL if source == "builtin:tiny-sort" else source
+    kwargs: dict[str, Any] = {"num_labels": 1, "trust_remote_code": trust_remote_code}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    if looks_local(path):
+        if not Path(path).expanduser().is_dir():
+            raise FileNotFoundError(f"`{key}`: model folder not found: {source}")
+    elif (reason := hub_unreachable()) is not None:
+        kwargs["local_files_only"] = True
+        try:
+            return _load(path, kwargs, policy, key)
+        except OSError:
+            raise ConnectionError(hub_error(source, key, reason, "a local folder")) from None
+    return _load(path, kwargs, policy, key)
+
+
+def _load(path: str, kwargs: dict[str, Any], policy: Policy, key: str) -> Critic:
+    model, info = AutoModelForTokenClassification.from_pretrained(path, output_loading_info=True, **kwargs)
+    ours = policy.model.get_input_embeddings().num_embeddings
+    theirs = model.get_input_embeddings().num_embeddings
+    if theirs != ours:
+        raise ValueError(f"`{key}`: the critic's vocabulary ({theirs} embeddings) does not match the "
+                         f"policy's ({ours}): the critic reads the policy's token ids")
+    head = _head(model)
+    fresh = set(info.get("missing_keys", ()))
+    if head is not None and head.bias is not None and any("score" in k and k.endswith("bias") for k in fresh):
+        nn.init.zeros_(head.bias)  # a reward model's head has no bias: start the critic's at 0
+    return Critic(model, policy.tokenizer)
