@@ -25,6 +25,11 @@ def test_every_config_instantiates(config, tmp_path):
     args = ["--config", config, "--trainer.logger.init_args.save_dir", tmp_path]
     if config.parent.name != "configs":  # overlays apply on top of the GRPO config
         args = ["--config", CONFIGS / "grpo.yaml", *args]
+    if config.name == "ppo_rm.yaml":  # its reward model is what configs/reward_model.yaml trains first
+        from lightning_rl.reward_model import load_reward_network
+
+        load_reward_network("builtin:tiny-sort").save_pretrained(str(tmp_path / "rm"))
+        args += ["--model.init_args.reward_model", tmp_path / "rm"]
     cli = LightningRLCLI(args=[str(a) for a in args], run=False)
     assert isinstance(cli.model, PolicyModule)
     assert isinstance(cli.datamodule, LightningDataModule)
