@@ -28,13 +28,15 @@ class WritePredictions(BasePredictionWriter):
 
     Each line is one sample: ``index`` (the prompt's row in the predict data), ``sample`` (0 to
     ``num_generations - 1``), ``prompt``, ``answer`` (when the data has one), ``completion``, ``reward``,
-    ``correct`` and ``length`` (completion tokens, EOS included), ordered by ``index`` then ``sample``. The
-    summary (``<output stem>_summary.json``, also printed as one line) holds ``prompts``, ``samples``,
+    ``correct`` and ``length`` (completion tokens, EOS included), ordered by ``index`` then ``sample``.
+    Batches from a loader other than the DataModules' ``predict_dataloader`` carry no row index: their
+    ``index`` is ``null`` and their lines follow, in the order the ranks gave them. The summary
+    (``<output stem>_summary.json``, also printed as one line) holds ``prompts``, ``samples``,
     ``accuracy`` (fraction correct), ``reward_mean`` and ``length_mean`` over all lines.
 
-    Every rank's rows are gathered to rank 0 (``all_gather_object``) and the placeholder rows that give
-    ranks equal batch counts are dropped (they never reach the file), so each prompt appears once per
-    sample on any world size. The CLI adds this callback to ``lightning-rl predict`` as ``--predictions.*``;
+    Every rank's rows are gathered to rank 0 (``all_gather_object``); the placeholder rows that give ranks
+    equal batch counts were already left out by ``predict_step``, so each prompt appears once per sample
+    on any world size. The CLI adds this callback to ``lightning-rl predict`` as ``--predictions.*``;
     ``PolicyModule`` adds one with the defaults to a ``trainer.predict`` that has none.
 
     Args:
@@ -67,11 +69,10 @@ class WritePredictions(BasePredictionWriter):
     ) -> None:
         rows = [row for batch in predictions for row in (batch or [])]
         path = self.target(trainer)  # trainer.log_dir is broadcast from rank 0: every rank asks
-        rows = gather_rows(rows)
+        rows = gather_rows(rows)  # placeholder rows never got here: predict_step leaves them out
         if not trainer.is_global_zero:
             return
-        unique = {(row["index"], row["sample"]): row for row in rows}  # placeholders never got here
-        rows = [unique[key] for key in sorted(unique)]
+        rows.sort(key=lambda row: (row["index"] is None, row["index"] or 0, row["sample"]))
         self.summary = summarize(rows, path)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
@@ -105,7 +106,7 @@ def summarize(rows: list[dict[str, Any]], path: str) -> dict[str, Any]:
     """Means over the written lines: ``accuracy`` (fraction correct), ``reward_mean``, ``length_mean``."""
     n = max(len(rows), 1)
     return {
-        "prompts": len({row["index"] for row in rows}),
+        "prompts": sum(row["sample"] == 0 for row in rows),
         "samples": len(rows),
         "accuracy": sum(bool(row["correct"]) for row in rows) / n,
         "reward_mean": sum(float(row["reward"]) for row in rows) / n,

@@ -26,9 +26,14 @@ ESCAPES = [("&", "&amp;"), ("<", "&lt;"), (">", "&gt;"), ("\\", "\\\\"), ("|", "
 
 
 def shorten(text: str, max_chars: int) -> str:
-    """``text`` cut to ``max_chars`` characters, ``…`` marking a cut (applied before escaping, so an escape
-    sequence is never split)."""
-    return text if len(text) <= max_chars else text[: max(max_chars - 1, 0)] + "…"
+    """``text`` in at most ``max_chars`` characters: its start and its end, ``…`` standing for the middle
+    (a chat prompt's question and a long completion's final answer are at the end). Applied before
+    escaping, so an escape sequence is never split."""
+    if len(text) <= max_chars:
+        return text
+    head = max_chars // 2
+    tail = max_chars - head - 1
+    return text[:head] + "…" + (text[-tail:] if tail > 0 else "")
 
 
 def escape_cell(text: str) -> str:
@@ -43,7 +48,7 @@ def markdown_table(
     prompts: Sequence[Any], completions: Sequence[str], rewards: Sequence[float], correct: Sequence[Any],
     max_chars: int = 200,
 ) -> str:
-    """A Markdown table with one row per sample: prompt, completion (each cut to ``max_chars`` and
+    """A Markdown table with one row per sample: prompt, completion (each shortened to ``max_chars`` and
     escaped), reward (3 decimals) and correctness (``yes`` / ``no``)."""
     lines = [HEADER]
     for p, c, r, ok in zip(prompts, completions, rewards, correct, strict=True):
@@ -88,7 +93,7 @@ class LogSamples(RLCallback):
         log_samples_every_n_steps: rollouts between two train tables (training steps, not optimiser
             steps); ``0`` turns the train table off.
         num_samples: rows per table.
-        max_chars: prompts and completions longer than this are cut (``…``).
+        max_chars: prompts and completions longer than this keep their start and end (``…`` between).
     """
 
     def __init__(

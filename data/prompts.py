@@ -23,6 +23,7 @@ from lightning_rl.data.sort_task import SortTask
 from lightning_rl.data.validation import ValidationShard
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+ROW_INDEX_KEY = "_row"  # column of a predict batch: each row's index in the predict rows
 
 
 def load_rows(
@@ -249,13 +250,15 @@ class RowsDataModule(L.LightningDataModule):
     held-out loading.
 
     Subclasses set ``path``, ``val_path``, ``val_split``, ``name``, ``batch_size``, ``val_batch_size``,
-    ``seed``, ``shuffle`` and fill ``train_rows`` / ``val_rows`` in ``setup``.
+    ``seed``, ``shuffle`` and fill ``train_rows`` / ``val_rows`` (and ``predict_rows``, else predictions
+    are made for ``val_rows``) in ``setup``.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.train_rows: list[dict[str, Any]] = []
         self.val_rows: list[dict[str, Any]] = []
+        self.predict_rows: list[dict[str, Any]] = []
         self.batches_consumed = 0  # restored from checkpoints; the next training batch index
 
     def rank_and_world(self) -> tuple[int, int]:
@@ -294,6 +297,19 @@ class RowsDataModule(L.LightningDataModule):
         shard = ValidationShard(self.val_rows, self.val_batch_size, *self.rank_and_world())
         return DataLoader(shard, batch_size=None, num_workers=0)
 
+    def predict_dataloader(self) -> DataLoader:
+        """This rank's share of the rows to predict for (``predict_rows``, else ``val_rows``), in batches of
+        ``val_batch_size``, dealt like validation's: row ``i`` to rank ``i % world``, every rank running as
+        many batches (placeholder rows of weight 0 fill the short ones). Each row carries its index in
+        ``ROW_INDEX_KEY``, so the writer can order the rows and drop nothing twice."""
+        rows = self.predict_rows or self.val_rows
+        if not rows:
+            raise ValueError("`predict` has no prompts: set `data.init_args.predict_path` (or give the data "
+                             "a held-out split)")
+        indexed = [{**row, ROW_INDEX_KEY: i} for i, row in enumerate(rows)]
+        shard = ValidationShard(indexed, self.val_batch_size, *self.rank_and_world())
+        return DataLoader(shard, batch_size=None, num_workers=0)
+
     def state_dict(self) -> dict[str, Any]:
         consumed = self.batches_consumed
         if self.trainer is not None:  # batches whose training step has run (prefetched ones don't count)
@@ -312,13 +328,15 @@ class PromptDataModule(RowsDataModule):
             ``None`` uses the built-in sort task.
         val_path: held-out data in the same forms; ``None`` takes ``val_split`` of ``path`` if it
             exists, else the built-in task's held-out set (built-in only), else no validation.
+        predict_path: prompts for ``lightning-rl predict``, in the same forms and columns (a single file
+            whole, a dataset with splits its ``val_split``); ``None`` predicts for the validation rows.
         split: split of ``path`` to train on.
         val_split: split of ``path`` (or ``val_path``) to validate on.
         name: dataset config name for hub datasets.
         prompt_column: column holding the prompt text (or a list of chat messages).
         answer_column: column holding the reference answer (``None`` if the task has none).
         batch_size: prompts per training step on each rank (each is sampled G times by RL modules).
-        val_batch_size: prompts per validation batch.
+        val_batch_size: prompts per validation (and predict) batch.
         max_val_rows: evaluate on at most this many held-out rows (``None``: all).
         sort_digits: digits per prompt of the built-in sort task.
         seed: seed of the training order.
@@ -340,6 +358,7 @@ class PromptDataModule(RowsDataModule):
         sort_digits: int = 5,
         seed: int = 0,
         shuffle: bool = True,
+        predict_path: str | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -350,14 +369,22 @@ class PromptDataModule(RowsDataModule):
         self.prompt_column, self.answer_column = prompt_column, answer_column
         self.batch_size, self.val_batch_size, self.max_val_rows = batch_size, val_batch_size, max_val_rows
         self.seed, self.shuffle = seed, shuffle
+        self.predict_path = predict_path
         self.task = SortTask(num_digits=sort_digits, seed=seed) if path is None else None
         self.refills_consumed = 0  # batches drawn by dynamic sampling, from a separately seeded stream
         self._refill: Iterator[dict[str, list]] | None = None
 
     def setup(self, stage: str | None = None) -> None:
+        columns = {"data.prompt_column": self.prompt_column, "data.answer_column": self.answer_column}
+        if stage == "predict" and self.predict_path is not None:
+            if not self.predict_rows:
+                rows = load_rows(self.predict_path, self.val_split, self.name, key="data.predict_path")
+                source, locate = f"`data.predict_path`={self.predict_path}", row_locator(self.predict_path)
+                check_rows(rows, columns, source, locate)
+                self.predict_rows = [self._canonical(r) for r in rows]
+            return
         if self.train_rows:
             return
-        columns = {"data.prompt_column": self.prompt_column, "data.answer_column": self.answer_column}
         if self.task is not None:
             self.train_rows = [self.task.train_row(i) for i in range(self.task.num_train)]
             self.val_rows = self.task.val_rows()

@@ -317,14 +317,14 @@ class PolicyModule(L.LightningModule):
         rewards = self.sample_rewards(prompts, completions, lengths, columns)
         correct = self.correct(prompts, completions, columns)
         weights = batch.get(VAL_WEIGHT_KEY) or [1.0] * len(batch["prompt"])
-        index = batch.get(ROW_INDEX_KEY) or list(range(len(batch["prompt"])))
+        index = batch.get(ROW_INDEX_KEY) or [None] * len(batch["prompt"])  # None: not from our DataModules
         rows = []
         for i in range(len(completions)):
             row_idx = i // n
             if weights[row_idx] <= 0:
                 continue
             answer = {"answer": columns["answer"][i]} if "answer" in columns else {}
-            rows.append({"index": int(index[row_idx]), "sample": i % n, "prompt": prompts[i], **answer,
+            rows.append({"index": index[row_idx], "sample": i % n, "prompt": prompts[i], **answer,
                          "completion": completions[i], "reward": rewards[i], "correct": bool(correct[i]),
                          "length": int(lengths[i])})
         return rows
