@@ -45,8 +45,76 @@ def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     return flat.reshape(shape)
 
 
+def _keep_kwargs(model: nn.Module, keep: int) -> dict[str, int]:
+    """``logits_to_keep=keep`` for models whose forward takes it (older: ``num_logits_to_keep``)."""
+    params = inspect.signature(base_model(model).forward).parameters
+    return {name: keep for name in ("logits_to_keep", "num_logits_to_keep") if name in params}
+
+
+def _completion_logits(
+    model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+    completion_mask: Tensor,
+) -> Tensor:
+    """``[N, C, V]`` logits predicting each completion token, from one forward over prompt + completion."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
+    # Left padding shifts every token: positions must count real tokens only (absolute-position
+    # models such as GPT-2 are off by ~0.4 nats otherwise).
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    # Position t predicts token t+1: completion tokens come from positions P-1 .. P+C-2. Asking
+    # the model for the last C+1 positions only skips the [N, P, V] prompt logits.
+    keep = completion_ids.shape[1] + 1
+    out = model(input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                **_keep_kwargs(model, keep))
+    return out.logits[:, -keep:-1]
+
+
+def shared_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``(first, inverse)`` when rows repeat prompts (a group's G samples): ``first`` indexes one row per
+    distinct prompt, ``inverse`` maps each row to its distinct prompt. ``None`` when every prompt differs."""
+    rows = torch.cat([prompt_ids * prompt_mask, prompt_mask], dim=1)
+    distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)
+    if len(distinct) == len(rows):
+        return None
+    first = torch.full((len(distinct),), len(rows), dtype=torch.long, device=rows.device)
+    first = first.scatter_reduce(0, inverse, torch.arange(len(rows), device=rows.device), reduce="amin")
+    return first, inverse
+
+
+def _prefix_shared_logits(
+    model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+    completion_mask: Tensor, first: Tensor, inverse: Tensor,
+) -> Tensor:
+    """The logits of :func:`_completion_logits`, with each distinct prompt run through the model once.
+
+    The prompts' keys and values (and the logits of their last position, which predict the first
+    completion token) are computed once per distinct prompt and indexed out to its rows; the completions
+    then run on top of that cache. Gradients flow through the shared prefix into every row's loss, so the
+    result and its gradient equal the one-pass form (to float rounding).
+    """
+    prefix = model(prompt_ids[first], attention_mask=prompt_mask[first].long(),
+                   position_ids=(prompt_mask[first].long().cumsum(-1) - 1).clamp(min=0), use_cache=True,
+                   **_keep_kwargs(model, 1))
+    named = "cache" in inspect.signature(base_model(model).forward).parameters  # transformers >= 5.2x
+    cache = prefix.cache if named and getattr(prefix, "cache", None) is not None else prefix.past_key_values
+    cache.batch_select_indices(inverse)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
+    lengths = prompt_mask.long().sum(1, keepdim=True)
+    steps = torch.arange(completion_ids.shape[1], device=completion_ids.device)
+    keep = _keep_kwargs(model, completion_ids.shape[1])
+    out = model(completion_ids, attention_mask=attention_mask, position_ids=lengths + steps, use_cache=True,
+                **{"cache" if named else "past_key_values": cache}, **keep)
+    return torch.cat([prefix.logits[:, -1:][inverse], out.logits[:, :-1]], dim=1)
+
+
 class TokenScorer(nn.Module):
-    """Scores completion tokens with ``self._scoring()``'s model; shared by policy and reference."""
+    """Scores completion tokens with ``self._scoring()``'s model; shared by policy and reference.
+
+    ``share_prompts``: run each distinct prompt once per forward and reuse its keys and values for all the
+    rows that repeat it (a group's samples), instead of once per row; same log-probs and gradients.
+    """
+
+    share_prompts: bool = False
 
     def _scoring(self) -> tuple[nn.Module, AbstractContextManager]:
         raise NotImplementedError
@@ -85,21 +153,14 @@ class TokenScorer(nn.Module):
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 to score tokens, got {temperature}")
         model, context = self._scoring()
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
-        # Left padding shifts every token: positions must count real tokens only (absolute-position
-        # models such as GPT-2 are off by ~0.4 nats otherwise).
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        # Position t predicts token t+1: completion tokens come from positions P-1 .. P+C-2. Asking
-        # the model for the last C+1 positions only skips the [N, P, V] prompt logits.
-        keep = completion_ids.shape[1] + 1
-        params = inspect.signature(base_model(model).forward).parameters
-        extra = {name: keep for name in ("logits_to_keep", "num_logits_to_keep") if name in params}
         with context:
-            out = model(
-                input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **extra
-            )
-        logits = out.logits[:, -keep:-1].float() / temperature
+            shared = shared_prompts(prompt_ids, prompt_mask) if self.share_prompts else None
+            if shared is not None:
+                logits = _prefix_shared_logits(model, prompt_ids, prompt_mask, completion_ids,
+                                               completion_mask, *shared)
+            else:
+                logits = _completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        logits = logits.float() / temperature
         if top_k > 0 or top_p < 1.0:
             logits = filter_logits(logits, top_k, top_p)
         logp_all = torch.log_softmax(logits, dim=-1)

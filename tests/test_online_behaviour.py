@@ -123,11 +123,13 @@ def test_ppo_epochs_and_minibatches_reuse_one_behaviour_snapshot(tmp_path):
     assert [i for i, *_ in check.updates] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [len(micro) for _, micro, *_ in check.updates] == [8] * 8  # 16 samples split in two, twice
     for k, (_, _, want, got) in enumerate(check.updates):
-        # every update compares against the snapshot taken at rollout time, never a fresher one
-        assert want["old_logp_diff"] == 0, k
+        # every update compares against the snapshot taken at rollout time, never a fresher one (to float
+        # rounding: prompts shared by a group are scored once per batch, and batches differ here)
+        assert want["old_logp_diff"] < 1e-5, k
         for name in ("policy/ratio_mean", "policy/approx_kl", "policy/clip_frac_low",
                      "policy/clip_frac_high"):
             assert float(got[name]) == pytest.approx(want[name], abs=1e-5), (k, name)
+    bites = []
     for rollout_index in (0, 1):
         (want, first), *rest = [(w, got) for i, _, w, got in check.updates if i == rollout_index]
         later = [got for _, got in rest]
@@ -136,9 +138,10 @@ def test_ppo_epochs_and_minibatches_reuse_one_behaviour_snapshot(tmp_path):
         assert float(first["policy/loss"]) == pytest.approx(want["on_policy_loss"], abs=1e-6)
         assert float(first["policy/approx_kl"]) < 1e-9
         assert float(first["policy/clip_frac_low"]) == 0 and float(first["policy/clip_frac_high"]) == 0
-        # after it the ratio has moved off 1 at every later update, and the narrow clip bites somewhere
+        # after it the ratio has moved off 1 at every later update
         assert all(float(m["policy/approx_kl"]) > 1e-4 for m in later), later
-        assert max(float(m["policy/clip_frac_low"]) + float(m["policy/clip_frac_high"]) for m in later) > 0.05
+        bites.extend(float(m["policy/clip_frac_low"]) + float(m["policy/clip_frac_high"]) for m in later)
+    assert max(bites) > 0.05  # and the narrow clip bites somewhere (a rollout whose groups all tie has A = 0)
 
 
 def test_lr_scheduler_steps_once_per_optimiser_step(tmp_path):

@@ -43,6 +43,7 @@ from lightning_rl.rewards import RewardScorer, RewardScores, import_reward, over
 from lightning_rl.rollout import Rollout, exclude_nonfinite, merge_stats
 from lightning_rl.sharding import (
     agreed_count,
+    collective_forward,
     deepspeed_engine,
     full_value,
     is_sharded,
@@ -104,6 +105,10 @@ class OnlineRL(PolicyModule):
             as ``rollout/overlong_penalty_mean`` (first generation round; 0.0 when off).
         overlong_penalty_factor: weight of the overlong penalty added to the reward.
         mask_truncated: leave completions that hit ``max_new_tokens`` out of the loss.
+        share_prompt_prefix: in every scoring pass (reference, behaviour and training log-probs), run each
+            distinct prompt once and reuse its keys and values for the group's samples (the gradient flows
+            through the shared prefix); the same log-probs and gradients to float rounding. Single process
+            and DDP; off under FSDP2 / ZeRO-3 and with gradient checkpointing.
         entropy_coef: weight of an entropy bonus, ``- entropy_coef * aggregate(entropy)`` (same aggregation
             and normalisers as the policy loss); 0: off (entropy is still logged as ``policy/entropy``).
         dynamic_sampling: keep only groups with mixed correctness, refilling from new prompts
@@ -146,6 +151,7 @@ class OnlineRL(PolicyModule):
         overlong_penalty_factor: float = 1.0,
         mask_truncated: bool = False,
         entropy_coef: float = 0.0,
+        share_prompt_prefix: bool = True,
         dynamic_sampling: bool = False,
         max_gen_batches: int = 3,
         rollout_seed: int = 0,
@@ -196,6 +202,7 @@ class OnlineRL(PolicyModule):
         self.max_grad_norm = max_grad_norm
         self.overlong_buffer, self.overlong_penalty_factor = overlong_buffer or None, overlong_penalty_factor
         self.mask_truncated, self.entropy_coef = mask_truncated, entropy_coef
+        self.share_prompt_prefix = share_prompt_prefix
         self.dynamic_sampling, self.max_gen_batches = dynamic_sampling, max_gen_batches
         self.rollout_seed = rollout_seed
         # The reference is the policy as loaded, before any update (also when resuming, where the
@@ -225,7 +232,13 @@ class OnlineRL(PolicyModule):
     def on_fit_start(self) -> None:
         super().on_fit_start()
         self.policy.disable_dropout()  # log-probs must match what sampling saw
+        # one forward per distinct prompt in every scoring pass; off where forwards are collective (their
+        # count would depend on each rank's data) and under gradient checkpointing (no cache in training)
+        share = (self.share_prompt_prefix and not collective_forward(self.policy.model)
+                 and not getattr(self.policy.model, "is_gradient_checkpointing", False))
+        self.policy.share_prompts = share
         if self._reference is not None:
+            self._reference.share_prompts = share
             self._reference.to(self.device)
         if self.reward_model is not None:
             self.reward_model.to(self.device)
@@ -413,8 +426,14 @@ class OnlineRL(PolicyModule):
         return rollout, {}
 
     def split_minibatches(self, rollout: Rollout, generator: torch.Generator) -> list[Rollout]:
-        """``num_minibatches`` shuffled minibatches (some may be empty when the rollout is small)."""
-        order = torch.randperm(len(rollout), generator=generator).to(rollout.completion_ids.device)
+        """``num_minibatches`` minibatches of equal row counts (some may be empty when the rollout is small),
+        from the rollout's groups in a shuffled order: a group's samples stay next to each other (and in one
+        minibatch unless it straddles a boundary), so their shared prompt is scored once."""
+        groups, inverse = torch.unique(rollout.group_ids.cpu(), return_inverse=True)
+        place = torch.empty(len(groups), dtype=torch.long)
+        place[torch.randperm(len(groups), generator=generator)] = torch.arange(len(groups))
+        order = torch.argsort(place[inverse] * len(rollout) + torch.arange(len(rollout)))
+        order = order.to(rollout.completion_ids.device)
         return [rollout.select(part) for part in torch.tensor_split(order, self.num_minibatches)]
 
     def update(self, minibatch: Rollout) -> None:

@@ -1,0 +1,77 @@
+"""Every speed-up keeps the gradient: one update with and without it, in every aggregation mode."""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import pytest
+import torch
+from ddp_update import fixed_rollout
+from helpers import datamodule, make, make_trainer
+
+from lightning_rl.algorithms import GRPO
+from lightning_rl.scoring import shared_prompts
+
+MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+class Probe(GRPO):
+    """One update per aggregation mode on the fixed 16-row rollout (4 prompts x 4 samples), in
+    micro-batches of 3 (so groups straddle micro-batches), recording the policy's gradients."""
+
+    def training_step(self, batch, batch_idx):
+        rollout = fixed_rollout(self)
+        self.grads = {}
+        for mode in MODES:
+            self.objective = dataclasses.replace(self.objective, aggregation=mode)
+            self.update(rollout)
+            self.grads[mode] = {n: p.grad.detach().clone() for n, p in self.policy.named_parameters()}
+        self.shared = self.policy.share_prompts
+
+
+def _grads(tmp_path, share: bool) -> tuple[dict, bool]:
+    torch.manual_seed(0)
+    module = make(Probe, share_prompt_prefix=share, micro_batch_size=3, kl_coef=0.1, clip_low=0.2,
+                  clip_high=0.28, max_grad_norm=None, entropy_coef=0.01,
+                  optimizer=partial(torch.optim.SGD, lr=0.0))
+    make_trainer(tmp_path, max_steps=1).fit(module, datamodule(batch_size=2))
+    return module.grads, module.shared
+
+
+def test_shared_prompt_prefix_keeps_the_gradient_in_every_aggregation_mode(tmp_path):
+    plain, off = _grads(tmp_path, share=False)
+    shared, on = _grads(tmp_path, share=True)
+    assert on and not off
+    for mode in MODES:
+        scale = max(g.abs().max().item() for g in plain[mode].values())
+        diff = max((plain[mode][n] - shared[mode][n]).abs().max().item() for n in plain[mode])
+        assert scale > 1e-2 and diff < 1e-5 * max(1.0, scale), (mode, diff, scale)
+
+
+def test_shared_prompts_finds_each_distinct_prompt_once():
+    ids = torch.tensor([[0, 5, 6], [7, 8, 9], [0, 5, 6], [0, 5, 6], [1, 5, 6]])
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 1, 1], [0, 1, 1], [0, 1, 1]])  # row 4: pad id differs
+    first, inverse = shared_prompts(ids, mask)
+    assert sorted(first.tolist()) == [0, 1]
+    assert inverse.tolist()[0] == inverse.tolist()[2] == inverse.tolist()[3] == inverse.tolist()[4]
+    assert first[inverse].tolist() == [0, 1, 0, 0, 0]
+    assert shared_prompts(ids[:2], mask[:2]) is None  # nothing to share
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_shared_prefix_log_probs_and_entropy_equal_the_one_pass_form(temperature):
+    module = make(GRPO)
+    policy = module.policy
+    policy.disable_dropout()
+    ids, mask = module.encode_prompts(["12345=", "907=", "5555123=", "31="])
+    torch.manual_seed(0)
+    gen = policy.generate(ids, mask, num_samples=4, max_new_tokens=8)
+    args = (gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask)
+    out = []
+    for share in (False, True):
+        policy.share_prompts = share
+        logp, entropy = policy.token_logprobs(*args, with_entropy=True, temperature=temperature)
+        out.append((logp, entropy * gen.completion_mask))
+    torch.testing.assert_close(out[0][0], out[1][0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[0][1], out[1][1], atol=1e-5, rtol=0)
