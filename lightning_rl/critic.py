@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoModelForTokenClassification
 
+from lightning_rl.adapters import base_state_dict, is_peft_model
 from lightning_rl.models import EMBEDDED_MODEL, hub_error, hub_unreachable, looks_local
 from lightning_rl.policy import Policy
 from lightning_rl.scoring import base_model
@@ -88,14 +89,23 @@ class Critic(nn.Module):
 
 
 def critic_from_policy(policy: Policy) -> Critic:
-    """A critic whose backbone is a copy of the policy's and whose scalar head is fresh (bias 0)."""
-    lm = base_model(policy.model)
+    """A critic whose backbone is a copy of the policy's and whose scalar head is fresh (bias 0).
+
+    A PEFT policy's critic copies the base weights (the adapters are not merged in) and trains all of them.
+    """
+    peft = is_peft_model(policy.model)
+    lm = policy.model.get_base_model() if peft else base_model(policy.model)
     config = copy.deepcopy(lm.config)
     config.num_labels = 1
     config.id2label, config.label2id = {0: "value"}, {"value": 0}
     model = AutoModelForTokenClassification.from_config(config, dtype=lm.dtype)
     backbone = getattr(model, model.base_model_prefix)
-    weights = getattr(lm, lm.base_model_prefix).state_dict()
+    if peft:  # the base weights under their own names, without the adapters' wrappers
+        prefix = f"{lm.base_model_prefix}."
+        base = base_state_dict(policy.model)
+        weights = {k[len(prefix) :]: v for k, v in base.items() if k.startswith(prefix)}
+    else:
+        weights = getattr(lm, lm.base_model_prefix).state_dict()
     missing, unexpected = backbone.load_state_dict(weights, strict=False)
     if missing or unexpected:
         raise ValueError(f"could not copy the policy's backbone into the critic: missing {missing[:3]}, "

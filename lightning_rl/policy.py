@@ -7,9 +7,11 @@ completion length (right-padded), ``V`` vocabulary size.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import transformers
@@ -25,7 +27,14 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from lightning_rl.scoring import ReferencePolicy, TokenScorer, base_model, eval_mode
+from lightning_rl.scoring import (
+    ReferencePolicy,
+    TokenScorer,
+    base_model,
+    cache_argument,
+    eval_mode,
+    returned_cache,
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 # transformers renamed `torch_dtype` to `dtype` in 4.56; we support older releases too.
@@ -74,6 +83,12 @@ def completion_mask(completion_ids: Tensor, eos_token_id: int) -> tuple[Tensor, 
     # EOS tokens strictly before each position: zero until just after the first EOS.
     eos_before = is_eos.cumsum(-1) - is_eos
     return (eos_before == 0).long(), is_eos.sum(-1) == 0
+
+
+def _keep_one(model: nn.Module) -> dict[str, int]:
+    """Only the last position's logits, for models whose forward takes ``logits_to_keep``."""
+    params = inspect.signature(base_model(model).forward).parameters
+    return {name: 1 for name in ("logits_to_keep", "num_logits_to_keep") if name in params}
 
 
 def _is_peft(model: nn.Module) -> bool:
@@ -280,6 +295,9 @@ class Policy(TokenScorer):
                 f"invalid sampling settings: num_samples={num_samples}, max_new_tokens={max_new_tokens}, "
                 f"temperature={temperature}, top_k={top_k}, top_p={top_p}"
             )
+        prefix = {}
+        if num_samples > 1 and prompt_ids.shape[1] > 1 and self.share_prompts:
+            prefix = self._prefilled(prompt_ids, prompt_mask, num_samples)
         prompt_ids = prompt_ids.repeat_interleave(num_samples, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(num_samples, dim=0)
         sampling = {"do_sample": False}
@@ -300,6 +318,7 @@ class Policy(TokenScorer):
                 attention_mask=prompt_mask,
                 generation_config=config,
                 synced_gpus=synced_gpus,
+                **prefix,
             )
         completion_ids = out.sequences[:, prompt_ids.shape[1] :]
         mask, truncated = completion_mask(completion_ids, self.eos_token_id)
@@ -313,6 +332,19 @@ class Policy(TokenScorer):
             logits=logits,
         )
 
+    @torch.no_grad()
+    def _prefilled(self, prompt_ids: Tensor, prompt_mask: Tensor, num_samples: int) -> dict[str, Any]:
+        """``generate``'s cache argument holding every prompt but its last token, computed once per prompt
+        and repeated for its ``num_samples`` rows (``generate`` then runs only the last prompt token, where
+        it would otherwise run every prompt ``num_samples`` times)."""
+        ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1].long()
+        with eval_mode(self.model):
+            out = self.model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                             use_cache=True, **_keep_one(self.model))
+        cache = returned_cache(out)
+        cache.batch_repeat_interleave(num_samples)
+        return {cache_argument(self.model): cache}
+
     def _scoring(self) -> tuple[nn.Module, AbstractContextManager]:
         return self.model, nullcontext()
 
@@ -322,13 +354,20 @@ class Policy(TokenScorer):
             return ReferencePolicy(self.model, shares_weights=True)
         return ReferencePolicy(copy.deepcopy(self.model), shares_weights=False)
 
-    def save_pretrained(self, path: str) -> None:
+    def save_pretrained(self, path: str, *, merged: bool = False) -> None:
         """Write model and tokenizer to ``path`` (loadable with the Auto classes or ``from_pretrained``).
 
-        A PEFT model writes its adapter only (peft's format). The tokenizer is written with the
-        ``padding_side`` it came with (left padding is only what generation here needs).
+        A PEFT model writes its adapter only (peft's format: ``PeftModel.from_pretrained`` on the base
+        model, or ``AutoPeftModelForCausalLM``), or with ``merged`` the weights with the adapters merged in, a
+        plain folder for ``AutoModelForCausalLM``. The tokenizer is written with the ``padding_side`` it came
+        with (left padding is only what generation here needs).
         """
-        self.model.save_pretrained(path)
+        if merged and _is_peft(self.model):
+            from lightning_rl.adapters import merged_model
+
+            merged_model(self.model, self.model.state_dict()).save_pretrained(path)
+        else:
+            self.model.save_pretrained(path)
         self.tokenizer.padding_side = self.export_padding_side
         try:
             self.tokenizer.save_pretrained(path)

@@ -69,6 +69,19 @@ def _completion_logits(
     return out.logits[:, -keep:-1]
 
 
+def cache_argument(model: nn.Module) -> str:
+    """The name under which ``model`` takes a KV cache: ``cache`` (newer transformers) or
+    ``past_key_values``."""
+    named = "cache" in inspect.signature(base_model(model).forward).parameters
+    return "cache" if named else "past_key_values"
+
+
+def returned_cache(out: Any) -> Any:
+    """The KV cache of a model output, under either name."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
 def shared_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor] | None:
     """``(first, inverse)`` when rows repeat prompts (a group's G samples): ``first`` indexes one row per
     distinct prompt, ``inverse`` maps each row to its distinct prompt. ``None`` when every prompt differs."""
@@ -95,15 +108,14 @@ def _prefix_shared_logits(
     prefix = model(prompt_ids[first], attention_mask=prompt_mask[first].long(),
                    position_ids=(prompt_mask[first].long().cumsum(-1) - 1).clamp(min=0), use_cache=True,
                    **_keep_kwargs(model, 1))
-    named = "cache" in inspect.signature(base_model(model).forward).parameters  # transformers >= 5.2x
-    cache = prefix.cache if named and getattr(prefix, "cache", None) is not None else prefix.past_key_values
+    cache = returned_cache(prefix)
     cache.batch_select_indices(inverse)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
     lengths = prompt_mask.long().sum(1, keepdim=True)
     steps = torch.arange(completion_ids.shape[1], device=completion_ids.device)
     keep = _keep_kwargs(model, completion_ids.shape[1])
     out = model(completion_ids, attention_mask=attention_mask, position_ids=lengths + steps, use_cache=True,
-                **{"cache" if named else "past_key_values": cache}, **keep)
+                **{cache_argument(model): cache}, **keep)
     return torch.cat([prefix.logits[:, -1:][inverse], out.logits[:, :-1]], dim=1)
 
 

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_rl.adapters import is_peft_model, merged_model
+
 FSDP2_OVERLAY = "configs/strategy/fsdp2.yaml"
 # strategies whose weights may be sharded: generation must then keep every rank stepping
 SHARDED_STRATEGIES = ("ModelParallelStrategy", "FSDPStrategy", "DeepSpeedStrategy")
@@ -254,13 +256,20 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def save_full_pretrained(policy: Any, path: str, state_dict: dict[str, torch.Tensor]) -> None:
+def save_full_pretrained(
+    policy: Any, path: str, state_dict: dict[str, torch.Tensor], merged: bool = False
+) -> None:
     """Rank 0's half of a sharded export: write ``state_dict`` with the model's ``save_pretrained``.
 
-    No collective happens here, so no other rank has to be inside this call. The tokenizer is written
-    with its original ``padding_side``, as ``Policy.save_pretrained`` does.
+    No collective happens here, so no other rank has to be inside this call. A PEFT model writes its adapter
+    folder, or with ``merged`` the weights with the adapters merged in (built on the CPU from ``state_dict``,
+    which must then be the full one). The tokenizer is written with its original ``padding_side``, as
+    ``Policy.save_pretrained`` does.
     """
-    policy.model.save_pretrained(path, state_dict=state_dict)
+    if merged and is_peft_model(policy.model):
+        merged_model(policy.model, state_dict).save_pretrained(path)
+    else:
+        policy.model.save_pretrained(path, state_dict=state_dict)
     tokenizer = policy.tokenizer
     tokenizer.padding_side = getattr(policy, "export_padding_side", tokenizer.padding_side)
     try:

@@ -75,3 +75,18 @@ def test_shared_prefix_log_probs_and_entropy_equal_the_one_pass_form(temperature
         out.append((logp, entropy * gen.completion_mask))
     torch.testing.assert_close(out[0][0], out[1][0], atol=1e-5, rtol=0)
     torch.testing.assert_close(out[0][1], out[1][1], atol=1e-5, rtol=0)
+
+
+def test_prefilled_generation_samples_what_plain_generation_samples():
+    """The prompt prefilled once per group and repeated: the same sampled and greedy completions."""
+    policy = make(GRPO).policy
+    ids, mask = make(GRPO).encode_prompts(["12345=", "907=", "5555123=", "31="])
+    out = {}
+    for share in (False, True):
+        policy.share_prompts = share
+        torch.manual_seed(0)
+        sampled = policy.generate(ids, mask, num_samples=8, max_new_tokens=8, temperature=1.0)
+        greedy = policy.generate(ids, mask, num_samples=2, max_new_tokens=8, do_sample=False)
+        out[share] = (sampled.completion_ids, sampled.completion_mask, greedy.completion_ids)
+    for a, b in zip(out[False], out[True], strict=True):
+        assert torch.equal(a, b)

@@ -16,8 +16,17 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lightning_rl.adapters import (
+    allow_missing_frozen,
+    drop_frozen_weights,
+    is_peft_model,
+    parameter_counts,
+    trainable_parameters,
+    wrap_model,
+)
 from lightning_rl.data.validation import VAL_WEIGHT_KEY
 from lightning_rl.models import load_policy
+from lightning_rl.policy import Policy
 from lightning_rl.rewards import import_reward
 from lightning_rl.sharding import (
     needs_synced_generation,
@@ -60,13 +69,22 @@ class PolicyModule(L.LightningModule):
         max_prompt_length: longest prompt in tokens; longer ones fail before training, naming the row.
         max_new_tokens: completion budget for generation (validation here; rollouts in RL modules).
         accuracy_fn: ``module:function`` scoring greedy validation completions; ``val/accuracy`` is its mean.
-        optimizer: optimiser factory (YAML ``class_path`` + ``init_args``); AdamW by default.
+        optimizer: optimiser factory (YAML ``class_path`` + ``init_args``); AdamW by default. It gets the
+            trainable parameters only (the adapters when ``peft`` is set).
         lr_scheduler: optional LR scheduler factory, stepped once per optimiser step.
         fsdp_cpu_offload: under FSDP2 (``ModelParallelStrategy``), keep the sharded parameters, gradients
             and optimiser state in CPU memory.
         fsdp_param_dtype: under FSDP2, the compute dtype of gathered parameters (``MixedPrecisionPolicy``);
             ``None`` keeps the weights' dtype.
         fsdp_reduce_dtype: under FSDP2, the dtype of the gradient reduce-scatter; ``None``: the param dtype.
+        peft: train adapters only: a ``peft.PeftConfig`` subclass as ``class_path`` + ``init_args``
+            (e.g. ``peft.LoraConfig`` with ``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``),
+            applied with ``peft.get_peft_model`` right after loading ``model``. The KL / DPO reference is
+            then the same weights with the adapters disabled, and checkpoints hold the adapters and
+            optimiser state only (see ``lightning_rl.adapters``). Needs ``pip install 'lightning-rl[peft]'``.
+        export_merged: with adapters, the exported policy folder holds the merged weights (a plain causal LM
+            for ``AutoModelForCausalLM``) instead of the adapter folder (``adapter_config.json`` +
+            ``adapter_model.safetensors``, loaded with ``peft`` on top of the base model).
     """
 
     def __init__(
@@ -84,12 +102,25 @@ class PolicyModule(L.LightningModule):
         fsdp_cpu_offload: bool = False,
         fsdp_param_dtype: str | None = None,
         fsdp_reduce_dtype: str | None = None,
+        peft: dict[str, Any] | None = None,
+        export_merged: bool = False,
     ) -> None:
         super().__init__()
         validate_fsdp_args(fsdp_param_dtype, fsdp_reduce_dtype)
         if max_prompt_length < 1 or max_new_tokens < 1:
             raise ValueError("`model.max_prompt_length` and `model.max_new_tokens` must be >= 1")
         self.policy = load_policy(model, dtype, trust_remote_code)
+        if peft is not None:  # before any reference is built: it is then this model with adapters disabled
+            self.policy = Policy(wrap_model(self.policy.model, peft), self.policy.tokenizer)
+        if is_peft_model(self.policy.model):  # from `peft`, or a PeftModel built by the user
+            self.register_state_dict_post_hook(drop_frozen_weights)
+            self.register_load_state_dict_post_hook(allow_missing_frozen)
+            trainable, total = parameter_counts(self.policy)
+            rank_zero_info(f"PEFT: training {trainable:,} of {total:,} parameters ({trainable / total:.2%})")
+        elif export_merged:
+            rank_zero_warn("`model.export_merged` has no effect without adapters (`model.peft`): the policy "
+                           "folder holds the full weights anyway")
+        self.export_merged = export_merged
         if gradient_checkpointing:
             self.policy.enable_gradient_checkpointing()
         self.chat_template = chat_template
@@ -223,7 +254,7 @@ class PolicyModule(L.LightningModule):
         return callbacks
 
     def configure_optimizers(self) -> Any:
-        optimizer = self.optimizer_factory(self.policy.parameters())
+        optimizer = self.optimizer_factory(trainable_parameters(self.policy))
         if self.scheduler_factory is None:
             return optimizer
         scheduler = self.scheduler_factory(optimizer)
@@ -366,8 +397,12 @@ class PolicyModule(L.LightningModule):
                      batch_size=1)
 
     def save_pretrained(self, path: str) -> None:
-        """Write the policy and tokenizer as a folder that ``transformers`` loads directly."""
-        self.policy.save_pretrained(path)
+        """Write the policy and tokenizer as a folder that ``transformers`` loads directly (with adapters: the
+        adapter folder, or the merged weights when ``export_merged``)."""
+        if getattr(self, "export_merged", False):  # RewardModel has its own __init__ and no adapters
+            self.policy.save_pretrained(path, merged=True)
+        else:
+            self.policy.save_pretrained(path)
 
 
 def collect_rng_states() -> dict[str, Any]:

@@ -105,10 +105,11 @@ class OnlineRL(PolicyModule):
             as ``rollout/overlong_penalty_mean`` (first generation round; 0.0 when off).
         overlong_penalty_factor: weight of the overlong penalty added to the reward.
         mask_truncated: leave completions that hit ``max_new_tokens`` out of the loss.
-        share_prompt_prefix: in every scoring pass (reference, behaviour and training log-probs), run each
-            distinct prompt once and reuse its keys and values for the group's samples (the gradient flows
-            through the shared prefix); the same log-probs and gradients to float rounding. Single process
-            and DDP; off under FSDP2 / ZeRO-3 and with gradient checkpointing.
+        share_prompt_prefix: run each distinct prompt through the model once and reuse its keys and values
+            for the group's samples: in generation (the prompt is prefilled once, not G times) and in every
+            scoring pass (reference, behaviour and training log-probs; the gradient flows through the shared
+            prefix). The same samples, log-probs and gradients to float rounding. Single process and DDP;
+            off under FSDP2 / ZeRO-3 and with gradient checkpointing.
         entropy_coef: weight of an entropy bonus, ``- entropy_coef * aggregate(entropy)`` (same aggregation
             and normalisers as the policy loss); 0: off (entropy is still logged as ``policy/entropy``).
         dynamic_sampling: keep only groups with mixed correctness, refilling from new prompts

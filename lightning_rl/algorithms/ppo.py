@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
+from lightning_rl.adapters import trainable_parameters
 from lightning_rl.algorithms.online import OnlineRL
 from lightning_rl.critic import Critic, load_critic
 from lightning_rl.losses import (
@@ -137,7 +138,7 @@ class PPO(OnlineRL):
                                param_dtype=self.fsdp_param_dtype, reduce_dtype=self.fsdp_reduce_dtype)
 
     def configure_optimizers(self) -> Any:
-        policy_opt = self.optimizer_factory(self.policy.parameters())
+        policy_opt = self.optimizer_factory(trainable_parameters(self.policy))  # the adapters under PEFT
         critic_opt = self.critic_optimizer_factory(self.critic.parameters())
         pairs = ((self.scheduler_factory, policy_opt), (self.critic_scheduler_factory, critic_opt))
         schedulers = [{"scheduler": make(opt), "interval": "step"} for make, opt in pairs if make is not None]
