@@ -307,7 +307,7 @@ def test_config_runs_through_the_cli(tmp_path):
                   "--trainer.enable_progress_bar", "false",
                   "--trainer.logger.init_args.save_dir", tmp_path)
     assert isinstance(cli.model, RewardModel) and cli.trainer.global_step == 2
-    run = tmp_path / "lightning-rl" / "version_0"
+    run = tmp_path / "reward_model" / "sort"  # the config fixes the run folder for configs/ppo_rm.yaml
     assert (run / "reward_model" / "config.json").is_file()
     logged = scalars(run)
     for name in ("rm/loss", "rm/accuracy", "rm/margin", "val/rm/loss", "val/rm/accuracy", "val/rm/margin"):
@@ -333,11 +333,12 @@ def test_resumed_run_continues_exactly(tmp_path):
     _fit(tmp_path / "cut", 3)
     resumed = _fit(tmp_path / "cut", 6, "--ckpt_path", "last")
     assert resumed.trainer.global_step == 6
-    a, b = (scalars(tmp_path / name / "lightning-rl" / v) for name, v in (("full", "version_0"),
-                                                                          ("cut", "version_1")))
+    # the config fixes the run folder: the resumed run logs into the cut run's folder, after its steps
+    a, b = (scalars(tmp_path / name / "reward_model" / "sort") for name in ("full", "cut"))
     tail = [(s, v) for s, v in a["rm/loss"] if s >= 3]
-    assert [s for s, _ in tail] == [s for s, _ in b["rm/loss"]] and len(tail) == 3
-    for (_, x), (_, y) in zip(tail, b["rm/loss"], strict=True):
+    again = [(s, v) for s, v in b["rm/loss"] if s >= 3]
+    assert [s for s, _ in tail] == [s for s, _ in again] and len(tail) == 3
+    for (_, x), (_, y) in zip(tail, again, strict=True):
         assert x == pytest.approx(y, rel=1e-5)
     for p, q in zip(full.model.parameters(), resumed.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
