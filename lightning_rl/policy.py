@@ -27,6 +27,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from lightning_rl.sampling import sample_compacting
 from lightning_rl.scoring import (
     ReferencePolicy,
     TokenScorer,
@@ -127,6 +128,10 @@ class Policy(TokenScorer):
     Raises:
         ValueError: if the tokenizer has no EOS token (generation could never stop).
     """
+
+    # sample with lightning_rl.sampling's loop (prefill once per prompt, finished rows leave the batch)
+    # instead of transformers' generate; OnlineRL turns it on with `share_prompt_prefix`
+    compact_sampling: bool = False
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
         super().__init__()
@@ -295,6 +300,15 @@ class Policy(TokenScorer):
                 f"invalid sampling settings: num_samples={num_samples}, max_new_tokens={max_new_tokens}, "
                 f"temperature={temperature}, top_k={top_k}, top_p={top_p}"
             )
+        if self.compact_sampling and not synced_gpus and not return_logits:
+            prompt_ids = prompt_ids.repeat_interleave(num_samples, dim=0)
+            prompt_mask = prompt_mask.repeat_interleave(num_samples, dim=0)
+            with eval_mode(self.model):
+                completion_ids = sample_compacting(
+                    self.model, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens,
+                    eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id, temperature=temperature,
+                    top_k=top_k, top_p=top_p, do_sample=do_sample)
+            return self._generation(prompt_ids, prompt_mask, completion_ids, None)
         prefix = {}
         if num_samples > 1 and prompt_ids.shape[1] > 1 and self.share_prompts:
             prefix = self._prefilled(prompt_ids, prompt_mask, num_samples)
@@ -320,9 +334,13 @@ class Policy(TokenScorer):
                 synced_gpus=synced_gpus,
                 **prefix,
             )
-        completion_ids = out.sequences[:, prompt_ids.shape[1] :]
-        mask, truncated = completion_mask(completion_ids, self.eos_token_id)
         logits = torch.stack(out.logits, dim=1) if return_logits else None
+        return self._generation(prompt_ids, prompt_mask, out.sequences[:, prompt_ids.shape[1] :], logits)
+
+    def _generation(
+        self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, logits: Tensor | None
+    ) -> Generation:
+        mask, truncated = completion_mask(completion_ids, self.eos_token_id)
         return Generation(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask.long(),

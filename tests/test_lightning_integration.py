@@ -151,8 +151,9 @@ def test_grpo_runs_in_bf16_mixed_on_cpu(tmp_path):
 
 def test_gradient_checkpointing_gives_the_same_update(tmp_path):
     def one_step(checkpointing: bool) -> list[torch.Tensor]:
+        # prompts are shared only without checkpointing (float rounding would differ): off in both
         module = make(GRPO, kl_coef=0.04, gradient_checkpointing=checkpointing, max_grad_norm=None,
-                      optimizer=partial(torch.optim.SGD, lr=1.0))
+                      share_prompt_prefix=False, optimizer=partial(torch.optim.SGD, lr=1.0))
         model = module.policy.model
         on = getattr(model, "is_activation_checkpointing", None)
         assert (model.is_gradient_checkpointing if on is None else on) == checkpointing

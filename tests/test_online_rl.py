@@ -169,7 +169,8 @@ def test_gradient_does_not_depend_on_micro_batch_size(tmp_path):
         for micro in (1, 3):
             diff, scale = out[(mode, micro)]
             assert scale > 1e-2, mode  # a real gradient
-            assert diff < 1e-6, (mode, micro, diff)
+            # float rounding only: a micro-batch's rows share their prompts' forward only within it
+            assert diff < 1e-5, (mode, micro, diff)
         assert out[(mode, "local")] > 1e-3, mode
 
 

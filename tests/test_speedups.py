@@ -90,3 +90,27 @@ def test_prefilled_generation_samples_what_plain_generation_samples():
         out[share] = (sampled.completion_ids, sampled.completion_mask, greedy.completion_ids)
     for a, b in zip(out[False], out[True], strict=True):
         assert torch.equal(a, b)
+
+
+def test_compacting_sampler_draws_from_the_models_distribution():
+    """lightning_rl.sampling: greedy equals transformers' greedy; top-k 1 sampling is greedy; and the first
+    sampled token's frequencies over 4000 draws match the model's tempered softmax."""
+    module = make(GRPO)
+    policy = module.policy
+    ids, mask = module.encode_prompts(["12345=", "907="])
+    runs = {}
+    for compact in (False, True):
+        policy.compact_sampling = compact
+        runs[compact] = policy.generate(ids, mask, num_samples=3, max_new_tokens=8, do_sample=False)
+    assert torch.equal(runs[False].completion_ids, runs[True].completion_ids)
+    assert torch.equal(runs[False].completion_mask, runs[True].completion_mask)
+    top1 = policy.generate(ids, mask, num_samples=3, max_new_tokens=8, top_k=1)
+    assert torch.equal(top1.completion_ids, runs[True].completion_ids)
+    torch.manual_seed(0)
+    draws = policy.generate(ids[:1], mask[:1], num_samples=4000, max_new_tokens=1, temperature=0.8)
+    with torch.no_grad():
+        logits = policy.model(ids[:1], attention_mask=mask[:1]).logits[0, -1] / 0.8
+    probs = torch.softmax(logits, -1)
+    freq = torch.bincount(draws.completion_ids[:, 0], minlength=len(probs)).float() / 4000
+    assert (freq - probs).abs().max() < 0.03
+    assert draws.completion_mask.shape == (4000, 1)

@@ -106,10 +106,11 @@ class OnlineRL(PolicyModule):
         overlong_penalty_factor: weight of the overlong penalty added to the reward.
         mask_truncated: leave completions that hit ``max_new_tokens`` out of the loss.
         share_prompt_prefix: run each distinct prompt through the model once and reuse its keys and values
-            for the group's samples: in generation (the prompt is prefilled once, not G times) and in every
-            scoring pass (reference, behaviour and training log-probs; the gradient flows through the shared
-            prefix). The same samples, log-probs and gradients to float rounding. Single process and DDP;
-            off under FSDP2 / ZeRO-3 and with gradient checkpointing.
+            for the group's samples, in generation and in every scoring pass (reference, behaviour and
+            training log-probs; the gradient flows through the shared prefix), and sample with
+            ``lightning_rl.sampling`` (finished rows leave the batch instead of decoding padding): the same
+            log-probs and gradients to float rounding, and samples from the same distribution (greedy ones
+            identical). Single process and DDP; off under FSDP2 / ZeRO-3 and with gradient checkpointing.
         entropy_coef: weight of an entropy bonus, ``- entropy_coef * aggregate(entropy)`` (same aggregation
             and normalisers as the policy loss); 0: off (entropy is still logged as ``policy/entropy``).
         dynamic_sampling: keep only groups with mixed correctness, refilling from new prompts
@@ -234,9 +235,15 @@ class OnlineRL(PolicyModule):
         super().on_fit_start()
         self.policy.disable_dropout()  # log-probs must match what sampling saw
         # one forward per distinct prompt in every scoring pass; off where forwards are collective (their
-        # count would depend on each rank's data) and under gradient checkpointing (no cache in training)
-        share = (self.share_prompt_prefix and not collective_forward(self.policy.model)
-                 and not getattr(self.policy.model, "is_gradient_checkpointing", False))
+        # count would depend on each rank's data) and, for scoring, under gradient checkpointing (which
+        # turns the training forward's cache off)
+        model = self.policy.model
+        checkpointing = getattr(model, "is_activation_checkpointing", None)
+        if checkpointing is None:  # transformers < 5 names it differently
+            checkpointing = getattr(model, "is_gradient_checkpointing", False)
+        fast = self.share_prompt_prefix and not collective_forward(model)
+        self.policy.compact_sampling = fast  # sampling runs in eval mode: no checkpointing there
+        share = fast and not checkpointing
         self.policy.share_prompts = share
         if self._reference is not None:
             self._reference.share_prompts = share
