@@ -119,6 +119,58 @@ def _prefix_shared_logits(
     return torch.cat([prefix.logits[:, -1:][inverse], out.logits[:, :-1]], dim=1)
 
 
+# causal LMs whose logits are exactly ``lm_head(decoder(...).last_hidden_state)`` (no scaling or capping)
+PLAIN_HEAD_MODELS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+
+
+def split_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
+    """``(decoder, lm_head)`` of a causal LM in :data:`PLAIN_HEAD_MODELS` (a PEFT model around one too:
+    its adapters live inside those modules), so the head can run on chosen positions only; else None."""
+    base = base_model(model)
+    if type(base).__name__ not in PLAIN_HEAD_MODELS:
+        return None
+    decoder, head = base.get_decoder(), base.get_output_embeddings()
+    return (decoder, head) if isinstance(head, nn.Linear) else None
+
+
+def _valid_position_logprobs(
+    split: tuple[nn.Module, nn.Linear], prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+    completion_mask: Tensor, temperature: float, top_k: int, top_p: float, with_entropy: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """``token_logprobs`` with each distinct prompt run once and the output layer (and the softmax over
+    the vocabulary) applied only at the completion's real tokens, not at its padding.
+
+    Entropy is 0 on padding. The same values and gradients as the one-pass form, to float rounding.
+    """
+    decoder, head = split
+    shared = shared_prompts(prompt_ids, prompt_mask)
+    first, inverse = shared if shared is not None else (torch.arange(len(prompt_ids)), None)
+    mask = prompt_mask.long()
+    prefix = decoder(prompt_ids[first], attention_mask=mask[first],
+                     position_ids=(mask[first].cumsum(-1) - 1).clamp(min=0), use_cache=True)
+    cache = returned_cache(prefix)
+    last = prefix.last_hidden_state[:, -1:]
+    if inverse is not None:
+        cache.batch_select_indices(inverse)
+        last = last[inverse]
+    steps = torch.arange(completion_ids.shape[1], device=completion_ids.device)
+    out = decoder(completion_ids, attention_mask=torch.cat([mask, completion_mask.long()], dim=1),
+                  position_ids=mask.sum(1, keepdim=True) + steps, use_cache=True,
+                  **{cache_argument(decoder): cache})
+    hidden = torch.cat([last, out.last_hidden_state[:, :-1]], dim=1)  # the states predicting each token
+    valid = completion_mask.bool()
+    logits = head(hidden[valid]).float() / temperature
+    if top_k > 0 or top_p < 1.0:
+        logits = filter_logits(logits, top_k, top_p)
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.new_zeros(valid.shape).masked_scatter(
+        valid, logp_all.gather(-1, completion_ids[valid].unsqueeze(-1)).squeeze(-1))
+    if not with_entropy:
+        return logp, None
+    entropy = -(logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)
+    return logp, logp_all.new_zeros(valid.shape).masked_scatter(valid, entropy)
+
+
 class TokenScorer(nn.Module):
     """Scores completion tokens with ``self._scoring()``'s model; shared by policy and reference.
 
@@ -165,6 +217,11 @@ class TokenScorer(nn.Module):
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 to score tokens, got {temperature}")
         model, context = self._scoring()
+        split = split_head(model) if self.share_prompts else None
+        if split is not None:
+            with context:
+                return _valid_position_logprobs(split, prompt_ids, prompt_mask, completion_ids,
+                                                completion_mask, temperature, top_k, top_p, with_entropy)
         with context:
             shared = shared_prompts(prompt_ids, prompt_mask) if self.share_prompts else None
             if shared is not None:

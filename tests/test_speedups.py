@@ -39,7 +39,13 @@ def _grads(tmp_path, share: bool) -> tuple[dict, bool]:
     return module.grads, module.shared
 
 
-def test_shared_prompt_prefix_keeps_the_gradient_in_every_aggregation_mode(tmp_path):
+@pytest.mark.parametrize("head_on_real_tokens", [True, False])
+def test_shared_prompt_prefix_keeps_the_gradient_in_every_aggregation_mode(tmp_path, monkeypatch,
+                                                                          head_on_real_tokens):
+    """Both fast forms: the output layer on real completion tokens only (plain-head models such as the
+    embedded Llama), and the generic one (any causal LM: full logits on top of the shared prefix)."""
+    if not head_on_real_tokens:
+        monkeypatch.setattr("lightning_rl.scoring.PLAIN_HEAD_MODELS", ())
     plain, off = _grads(tmp_path, share=False)
     shared, on = _grads(tmp_path, share=True)
     assert on and not off
@@ -59,8 +65,12 @@ def test_shared_prompts_finds_each_distinct_prompt_once():
     assert shared_prompts(ids[:2], mask[:2]) is None  # nothing to share
 
 
+@pytest.mark.parametrize("head_on_real_tokens", [True, False])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_shared_prefix_log_probs_and_entropy_equal_the_one_pass_form(temperature):
+def test_shared_prefix_log_probs_and_entropy_equal_the_one_pass_form(temperature, head_on_real_tokens,
+                                                                    monkeypatch):
+    if not head_on_real_tokens:
+        monkeypatch.setattr("lightning_rl.scoring.PLAIN_HEAD_MODELS", ())
     module = make(GRPO)
     policy = module.policy
     policy.disable_dropout()
