@@ -7,15 +7,19 @@ import os
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_rl.adapters import is_peft_model
 from lightning_rl.sharding import full_state_dict, gathers_for_export, save_full_pretrained
 
 
 class ExportPolicy(L.Callback):
     """Save the policy and tokenizer with ``save_pretrained`` at the end of ``fit``.
 
-    The folder loads directly with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer``. Under
-    FSDP2 and ZeRO-3 every rank first gathers the full state dict (a collective), then rank 0 alone writes
-    it: no rank waits on another inside ``save_pretrained``.
+    The folder loads directly with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer``. A policy
+    with PEFT adapters (``model.peft``) writes the adapter folder (``adapter_config.json`` +
+    ``adapter_model.safetensors`` + tokenizer: ``AutoPeftModelForCausalLM``, or ``PeftModel.from_pretrained``
+    on the base model), or with ``model.export_merged`` the merged weights as a plain folder. Under FSDP2
+    and ZeRO-3 every rank first gathers the full state dict (a collective), then rank 0 alone writes it:
+    no rank waits on another inside ``save_pretrained``.
 
     Args:
         dirpath: target folder; ``None`` writes ``<trainer.log_dir>/policy``.
@@ -33,9 +37,10 @@ class ExportPolicy(L.Callback):
         path = self.target(trainer)
         policy = getattr(pl_module, "policy", None)
         if policy is not None and gathers_for_export(policy.model):
+            merged = getattr(pl_module, "export_merged", False) and is_peft_model(policy.model)
             state_dict = full_state_dict(policy.model)  # every rank joins the gathers
             if trainer.is_global_zero:
-                save_full_pretrained(policy, path, state_dict)
+                save_full_pretrained(policy, path, state_dict, merged=merged)
         elif trainer.is_global_zero:
             pl_module.save_pretrained(path)
         rank_zero_info(f"policy saved to {path}")

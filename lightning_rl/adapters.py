@@ -68,7 +68,9 @@ def peft_config(spec: Any, key: str = "model.peft") -> Any:
 
     Args:
         spec: ``{"class_path": "peft.LoraConfig", "init_args": {...}}`` (the YAML form; a bare class name is
-            looked up in ``peft``), or a ``peft.PeftConfig`` instance (copied).
+            looked up in ``peft``; other keys beside ``init_args`` count as init args, which is where
+            jsonargparse puts a command-line ``--model.init_args.peft.init_args.r 8``), or a
+            ``peft.PeftConfig`` instance (copied).
         key: the config key, for messages.
 
     Returns:
@@ -83,12 +85,13 @@ def peft_config(spec: Any, key: str = "model.peft") -> Any:
     if isinstance(spec, peft.PeftConfig):
         config = copy.deepcopy(spec)
     elif isinstance(spec, Mapping):
-        unknown = sorted(set(spec) - {"class_path", "init_args"})
-        if unknown or not isinstance(spec.get("class_path"), str):
+        if not isinstance(spec.get("class_path"), str):
             raise ValueError(f"`{key}` takes `class_path` (e.g. peft.LoraConfig) and `init_args`, got "
                              f"{sorted(spec)}")
         cls = _resolve_class(spec["class_path"], peft, key)
-        init_args = dict(spec.get("init_args") or {})
+        # other keys are init args too: jsonargparse puts `--model.init_args.peft.init_args.r 8` there
+        extra = {k: v for k, v in spec.items() if k not in ("class_path", "init_args")}
+        init_args = {**(spec.get("init_args") or {}), **extra}
         try:
             config = cls(**init_args)
         except (TypeError, ValueError) as err:
@@ -133,6 +136,26 @@ def parameter_counts(module: nn.Module) -> tuple[int, int]:
     """``(trainable, total)`` parameter counts (tied weights counted once; global sizes under FSDP2)."""
     params = list(module.parameters())
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def refuse_uneven_shared_reference(module: nn.Module) -> None:
+    """Refuse, before the first step, a sharded PEFT policy whose KL reference would run on uneven rollouts.
+
+    The PEFT reference runs the policy's own weights, so under FSDP2 / ZeRO-3 each of its forwards gathers
+    from every rank; with dynamic sampling the ranks keep different numbers of samples and would run
+    different numbers of reference forwards: a hang. (``OnlineRL.logprobs`` agrees forward counts for the
+    policy only; once it does so for a weight-sharing reference too, this check can go.)
+    """
+    from lightning_rl.sharding import collective_forward
+
+    reference = module.__dict__.get("_reference")
+    if (getattr(module, "dynamic_sampling", False) and getattr(reference, "shares_weights", False)
+            and collective_forward(module.policy.model)):
+        raise ValueError(
+            "`model.dynamic_sampling` with a KL reference (`model.kl_coef` > 0) and adapters (`model.peft`) "
+            "is not supported under FSDP2 / ZeRO-3 yet: the reference runs the sharded weights and the ranks "
+            "would score different numbers of samples; set `model.kl_coef: 0`, or use DDP"
+        )
 
 
 # ---- checkpoints: adapters (and optimiser state) only; the frozen base is reloaded from `model` ----------

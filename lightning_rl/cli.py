@@ -104,6 +104,7 @@ class LightningRLCLI(LightningCLI):
         return parser
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
+        check_peft_installed(sys.argv[1:] if args is None else args)
         super().parse_arguments(parser, args)
         # before LightningCLI reads the checkpoint's hyperparameters with torch.load
         if self.config.get("subcommand"):
@@ -148,6 +149,43 @@ def check_strategy_installed(config: Any) -> None:
         raise ConfigError("`trainer.strategy` needs DeepSpeed installed: "
                           "pip install 'lightning-rl[deepspeed]' "
                           "(Lightning's DeepSpeed strategy runs on CUDA devices)")
+
+
+def requested_peft(args: Any) -> bool:
+    """Whether the command line (its ``--config`` files read in order, then inline overrides) sets
+    ``model.peft``; the last setting wins. Files that cannot be read are left to the parser."""
+    if not isinstance(args, (list, tuple)):
+        return False
+    wanted = False
+    args = [str(a) for a in args]
+    for i, arg in enumerate(args):
+        key, _, value = arg.partition("=")
+        if not value and i + 1 < len(args):
+            value = args[i + 1]
+        if key in ("--config", "-c"):
+            try:
+                with open(value) as f:
+                    model = (yaml.safe_load(f) or {}).get("model")
+            except (OSError, yaml.YAMLError, AttributeError):
+                continue
+            if isinstance(model, dict):
+                init_args = model.get("init_args") if isinstance(model.get("init_args"), dict) else model
+                if "peft" in init_args:
+                    wanted = init_args["peft"] is not None
+        elif key in ("--model.init_args.peft", "--model.peft"):
+            wanted = value.strip().lower() not in ("null", "none", "")
+        elif key.startswith(("--model.init_args.peft.", "--model.peft.")):
+            wanted = True
+    return wanted
+
+
+def check_peft_installed(args: Any) -> None:
+    """Name the extra to install when the config sets ``model.peft`` and peft is absent (jsonargparse fails
+    while parsing, on importing the config's ``class_path``, with a message that does not say so)."""
+    if importlib.util.find_spec("peft") is None and requested_peft(args):
+        from lightning_rl.adapters import PEFT_EXTRA
+
+        raise ConfigError(f"ImportError: `model.peft` needs the optional `peft` package: {PEFT_EXTRA}")
 
 
 def check_checkpoint_file(path: str | None) -> None:

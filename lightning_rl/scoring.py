@@ -30,7 +30,7 @@ def eval_mode(module: nn.Module) -> Iterator[None]:
 
 def base_model(model: nn.Module) -> nn.Module:
     """The transformers model under a PEFT wrapper (the one owning ``generation_config``)."""
-    get_base = getattr(model, "getbase_model", None)
+    get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
 
 

@@ -140,10 +140,12 @@ def shard_policy_model(
     """``fully_shard`` each decoder layer of ``model``, then ``model`` itself, on the data-parallel mesh.
 
     Idempotent: a model that is already an ``FSDPModule`` is left as it is (``configure_model`` runs
-    again for ``validate`` / ``test`` after ``fit``).
+    again for ``validate`` / ``test`` after ``fit``). Of a PEFT model, the root sharded is the causal LM
+    inside the wrapper: ``PeftModel.generate`` calls that model's ``generate``, which never enters the
+    wrapper's forward (where a root's hooks would gather the embeddings and the head).
 
     Args:
-        model: the policy's causal LM.
+        model: the policy's causal LM, or a ``peft.PeftModel`` around one.
         device_mesh: Lightning's 2-D mesh (``data_parallel``, ``tensor_parallel``) or a 1-D mesh.
         cpu_offload: keep sharded parameters, gradients and optimiser state in CPU memory.
         param_dtype, reduce_dtype: ``MixedPrecisionPolicy`` dtypes (compute / gradient reduction).
@@ -156,7 +158,8 @@ def shard_policy_model(
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    if isinstance(model, fsdp_module_class()):
+    root = model.get_base_model() if is_peft_model(model) else model
+    if isinstance(root, fsdp_module_class()):
         return False
     mesh = device_mesh
     if mesh.ndim > 1:
@@ -178,7 +181,7 @@ def shard_policy_model(
     for layer in decoder_layers(model):
         if not isinstance(layer, fsdp_module_class()):
             fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+    fully_shard(root, **kwargs)
     return True
 
 

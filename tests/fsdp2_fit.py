@@ -4,7 +4,7 @@ and an exactly resumed GRPO run from a sharded (distributed) checkpoint.
     python tests/fsdp2_fit.py OUT_DIR [MODE] [STEPS] [RESUME_CKPT]
 
 With ``STRATEGY=zero2`` or ``zero3`` in the environment the same runs use DeepSpeed ZeRO-2 / ZeRO-3
-(``tests/deepspeed_cpu.py``) instead; their checkpoints are DeepSpeed's folders.
+(``tests/deepspeed_cpu.py``) instead; their checkpoints are DeepSpeed's folders. ``STRATEGY=ddp``: DDP.
 
 MODE:
     grpo    (default) 3 optimiser steps (2 micro-batches each, KL to the reference on), greedy validation on
@@ -14,6 +14,10 @@ MODE:
             rollouts, refills and micro-batch counts differ; validation and export as in ``grpo``.
     dpo     DPO (automatic optimisation, a whole frozen reference per rank) on 5 training pairs, 1 per rank
             per step; validation on 3 held-out pairs in batches of 1; export.
+    lora    ``grpo`` with LoRA adapters (``model.peft``): only they train, the KL reference is the same
+            (sharded) weights with the adapters disabled; ``OUT_DIR/policy`` is the adapter folder, and the
+            same export with ``export_merged`` writes ``OUT_DIR/merged``. Each rank also records its adapter
+            weights when they are not sharded (DDP).
     resume  GRPO for STEPS steps with a sharded checkpoint (``save_distributed_checkpoint``) every 2 steps
             under ``OUT_DIR/ckpt``; RESUME_CKPT resumes from one. Each rank's RNG is seeded differently
             at the start of ``fit`` and recorded per step, so a resume that restores rank 0's RNG on every
@@ -58,6 +62,8 @@ def make_strategy(name: str, checkpoint: bool):
     if name == "fsdp2":
         return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
                                      save_distributed_checkpoint=checkpoint)
+    if name == "ddp":
+        return "ddp"
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from deepspeed_cpu import CPUDeepSpeedStrategy
 
@@ -121,9 +127,14 @@ def build(mode: str, out: str):
         module = DPO(model="builtin:tiny-sort", max_prompt_length=16, max_completion_length=10,
                      max_new_tokens=8, optimizer=partial(torch.optim.SGD, lr=0.1))
         return module, PreferenceDataModule(path=path, batch_size=1, val_batch_size=1, val_fraction=0.375)
+    lora = {}
+    if mode == "lora":
+        lora = {"peft": {"class_path": "peft.LoraConfig", "init_args": {
+                    "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj", "down_proj"]}},
+                "optimizer": partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0)}
     module = GRPO(model="builtin:tiny-sort", max_new_tokens=8, max_prompt_length=16, num_generations=4,
                   micro_batch_size=4, kl_coef=0.1, max_grad_norm=0.5, temperature=1.0,
-                  fsdp_param_dtype=None)
+                  fsdp_param_dtype=None, **lora)
     return module, PromptDataModule(batch_size=2, max_val_rows=3, val_batch_size=1)
 
 
@@ -158,6 +169,12 @@ def main() -> None:
         "reference_sharded": reference is not None and collective_forward(reference),
         "steps": record.steps,
     }
+    if mode == "lora":
+        module.export_merged = True  # the same export again, merged (FSDP2: gathered, merged on rank 0)
+        ExportPolicy(os.path.join(out, "merged")).on_train_end(trainer, module)
+        if not held["sharded"]:
+            held["adapters"] = {n: p.detach().clone() for n, p in module.policy.named_parameters()
+                                if p.requires_grad}
     per_rank = [None, None]
     dist.all_gather_object(per_rank, held)
     if trainer.global_rank == 0:

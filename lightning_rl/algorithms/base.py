@@ -21,6 +21,7 @@ from lightning_rl.adapters import (
     drop_frozen_weights,
     is_peft_model,
     parameter_counts,
+    refuse_uneven_shared_reference,
     trainable_parameters,
     wrap_model,
 )
@@ -81,7 +82,8 @@ class PolicyModule(L.LightningModule):
             (e.g. ``peft.LoraConfig`` with ``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``),
             applied with ``peft.get_peft_model`` right after loading ``model``. The KL / DPO reference is
             then the same weights with the adapters disabled, and checkpoints hold the adapters and
-            optimiser state only (see ``lightning_rl.adapters``). Needs ``pip install 'lightning-rl[peft]'``.
+            optimiser state only (see ``lightning_rl.adapters``). From Python, a ``peft.PeftConfig``
+            instance works too. Needs ``pip install 'lightning-rl[peft]'``.
         export_merged: with adapters, the exported policy folder holds the merged weights (a plain causal LM
             for ``AutoModelForCausalLM``) instead of the adapter folder (``adapter_config.json`` +
             ``adapter_model.safetensors``, loaded with ``peft`` on top of the base model).
@@ -173,6 +175,7 @@ class PolicyModule(L.LightningModule):
     def on_fit_start(self) -> None:
         self.policy.train()  # HF models load in eval mode and Lightning keeps it
         self.check_prompt_lengths()
+        refuse_uneven_shared_reference(self)
 
     def check_prompt_lengths(self) -> None:
         """Fail before the first step if any train / val prompt exceeds ``max_prompt_length``, naming
