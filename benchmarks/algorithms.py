@@ -81,4 +81,5 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["sft", "grpo", "gspo", "dapo", "sapo", "dpo", "ppo", "reward_model", "ppo_rm"])
+    main(sys.argv[1:] or ["sft", "grpo", "gspo", "dapo", "sapo", "dpo", "ppo", "reward_model", "ppo_rm",
+                          "grpo_lora"])
