@@ -138,26 +138,6 @@ def parameter_counts(module: nn.Module) -> tuple[int, int]:
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
 
-def refuse_uneven_shared_reference(module: nn.Module) -> None:
-    """Refuse, before the first step, a sharded PEFT policy whose KL reference would run on uneven rollouts.
-
-    The PEFT reference runs the policy's own weights, so under FSDP2 / ZeRO-3 each of its forwards gathers
-    from every rank; with dynamic sampling the ranks keep different numbers of samples and would run
-    different numbers of reference forwards: a hang. (``OnlineRL.logprobs`` agrees forward counts for the
-    policy only; once it does so for a weight-sharing reference too, this check can go.)
-    """
-    from lightning_rl.sharding import collective_forward
-
-    reference = module.__dict__.get("_reference")
-    if (getattr(module, "dynamic_sampling", False) and getattr(reference, "shares_weights", False)
-            and collective_forward(module.policy.model)):
-        raise ValueError(
-            "`model.dynamic_sampling` with a KL reference (`model.kl_coef` > 0) and adapters (`model.peft`) "
-            "is not supported under FSDP2 / ZeRO-3 yet: the reference runs the sharded weights and the ranks "
-            "would score different numbers of samples; set `model.kl_coef: 0`, or use DDP"
-        )
-
-
 # ---- checkpoints: adapters (and optimiser state) only; the frozen base is reloaded from `model` ----------
 def frozen_names(policy: nn.Module, prefix: str) -> set[str]:
     """State-dict names (under ``prefix``) of the policy's frozen base weights, tied aliases included.

@@ -110,11 +110,17 @@ class Record(RLCallback):
 
 def build(mode: str, out: str):
     here = "fsdp2_fit"
-    if mode == "dapo":
+    if mode in ("dapo", "dapo_kl"):
+        # dapo_kl: LoRA, a KL reference that runs the sharded weights with adapters off, and 2 minibatches
+        # (behaviour log-probs): every scoring pass has a rank-dependent number of rows
+        extra = {} if mode == "dapo" else {
+            "kl_coef": 0.1, "num_minibatches": 2,
+            "peft": {"class_path": "peft.LoraConfig",
+                     "init_args": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}}}
         module = DAPO(model="builtin:tiny-sort", max_new_tokens=6, max_prompt_length=16, num_generations=4,
                       max_gen_batches=2, micro_batch_size=4, correctness_fn=f"{here}:correctness",
                       reward_fns=[f"{here}:reward"], temperature=1.0, fsdp_param_dtype=None,
-                      optimizer=partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0))
+                      optimizer=partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0), **extra)
         return module, PromptDataModule(batch_size=2, max_val_rows=3, val_batch_size=1)
     if mode == "dpo":
         rows = [{"prompt": f"{n}=", "chosen": "".join(sorted(str(n))), "rejected": str(n)[::-1] + "7",

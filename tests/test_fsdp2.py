@@ -93,6 +93,19 @@ def test_fsdp2_dapo_fit_with_dynamic_sampling_validates_unevenly_and_exports(tmp
     _reloads_exactly(tmp_path / "policy", result["weights"])
 
 
+def test_fsdp2_uneven_scoring_passes_agree_before_any_forward(tmp_path):
+    """DAPO with LoRA, a KL reference running the sharded weights with adapters off, and 2 minibatches
+    (behaviour log-probs): the ranks score different numbers of rows in every pass (rank 1 keeps 4 where
+    rank 0 keeps 8), so each pass agrees its forward count over ranks before its first forward (agreeing
+    after them let one rank's all-reduce meet another's weight gather: a hang, here killed by the timeout)."""
+    _launch("fsdp2_fit.py", str(tmp_path), "dapo_kl", "4", timeout=300)
+    result = torch.load(tmp_path / "result.pt")
+    assert result["global_step"] == 4 and "policy/kl_ref" in result["metrics"]
+    r0, r1 = (r["steps"] for r in result["ranks"])
+    assert any(a["kept"] != b["kept"] for a, b in zip(r0, r1, strict=True))
+    assert all(a["logged"] == b["logged"] for a, b in zip(r0, r1, strict=True))
+
+
 def test_fsdp2_dpo_fit_validates_and_exports(tmp_path):
     _launch("fsdp2_fit.py", str(tmp_path), "dpo", "3", timeout=300)
     result = torch.load(tmp_path / "result.pt")

@@ -254,20 +254,6 @@ def test_lora_config_from_the_command_line_a_short_class_name_or_an_instance(tmp
     assert cli.model.policy.model.peft_config["default"].lora_alpha == 32  # the rest from the YAML
 
 
-def test_sharded_lora_reference_with_dynamic_sampling_is_refused_before_it_could_hang(monkeypatch):
-    """Sharded weights make each reference forward a collective; uneven rollouts would hang the ranks."""
-    import lightning_rl.sharding as sharding
-    from lightning_rl.adapters import refuse_uneven_shared_reference
-    from lightning_rl.algorithms import DAPO
-
-    module = DAPO(peft=LORA, kl_coef=0.1)
-    refuse_uneven_shared_reference(module)  # unsharded: fine
-    monkeypatch.setattr(sharding, "collective_forward", lambda model: True)
-    with pytest.raises(ValueError, match="model.kl_coef"):
-        refuse_uneven_shared_reference(module)
-    refuse_uneven_shared_reference(DAPO(peft=LORA))  # DAPO's default: no KL, no reference
-
-
 # ---- 2 ranks ------------------------------------------------------------------------------------------
 def _launch_lora(out: Path, strategy: str) -> dict:
     launch(HERE / "fsdp2_fit.py", str(out), "lora", "3", cwd=HERE.parent, env={"STRATEGY": strategy},

@@ -21,7 +21,6 @@ from lightning_rl.adapters import (
     drop_frozen_weights,
     is_peft_model,
     parameter_counts,
-    refuse_uneven_shared_reference,
     trainable_parameters,
     wrap_model,
 )
@@ -175,7 +174,6 @@ class PolicyModule(L.LightningModule):
     def on_fit_start(self) -> None:
         self.policy.train()  # HF models load in eval mode and Lightning keeps it
         self.check_prompt_lengths()
-        refuse_uneven_shared_reference(self)
 
     def check_prompt_lengths(self) -> None:
         """Fail before the first step if any train / val prompt exceeds ``max_prompt_length``, naming

@@ -364,14 +364,20 @@ class OnlineRL(PolicyModule):
         """Log-probs of the rollout's completions under ``model`` (default: the policy), micro-batched."""
         model = model if model is not None else self.policy
         size = self.micro_batch_size or max(len(rollout), 1)
+        parts = list(rollout.minibatches(size))
+        # The policy's forwards, and those of a reference running the policy's own (adapter-disabled)
+        # weights, are collective when sharded: every rank agrees on the count *before* any forward, then
+        # pads with empty forwards, so no rank's all-reduce meets another rank's weight gather.
+        total = len(parts)
+        if model is self.policy or getattr(model, "shares_weights", False):
+            total = agreed_count(self.trainer, self.policy.model, len(parts))
         out = []
-        for part in rollout.minibatches(size):
+        for part in parts:
             logp, _ = model.token_logprobs(part.prompt_ids, part.prompt_mask, part.completion_ids,
                                            part.completion_mask, **self.scoring_kwargs)
             out.append(logp)
-        if model is self.policy:  # a sharded policy's forward is collective: as many on every rank
-            for _ in range(agreed_count(self.trainer, self.policy.model, len(out)) - len(out)):
-                zero_loss(self.policy, self.trainer)
+        for _ in range(total - len(parts)):
+            zero_loss(self.policy, self.trainer)
         if not out:
             return rollout.completion_mask.new_zeros(rollout.completion_mask.shape).float()
         return torch.cat(out, 0)
@@ -394,7 +400,7 @@ class OnlineRL(PolicyModule):
             rollout, extra = cb.on_rollout_scored(self.trainer, self, rollout)
             stats = merge_stats(stats, extra)
         start = time.perf_counter()
-        if self._reference is not None and len(rollout):
+        if self._reference is not None:  # also for an empty rollout: its count may be collective
             rollout.ref_logp = self.logprobs(rollout, self._reference)
         stats["perf/reference_time"] = time.perf_counter() - start
         return rollout, stats
