@@ -19,15 +19,7 @@ from transformers import AutoModelForTokenClassification
 from lightning_rl.adapters import base_state_dict, is_peft_model
 from lightning_rl.models import EMBEDDED_MODEL, hub_error, hub_unreachable, looks_local
 from lightning_rl.policy import Policy
-from lightning_rl.scoring import base_model
-
-
-def _zero_dropout(model: nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
+from lightning_rl.scoring import base_model, disable_dropout
 
 
 def _head(model: nn.Module) -> nn.Linear | None:
@@ -49,7 +41,7 @@ class Critic(nn.Module):
             raise ValueError(f"the critic must have one label, got num_labels={model.config.num_labels}")
         self.model = model
         self.tokenizer = tokenizer
-        _zero_dropout(model)
+        disable_dropout(model)
 
     @property
     def device(self) -> torch.device:

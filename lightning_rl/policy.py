@@ -33,6 +33,7 @@ from lightning_rl.scoring import (
     TokenScorer,
     base_model,
     cache_argument,
+    disable_dropout,
     eval_mode,
     returned_cache,
 )
@@ -225,11 +226,7 @@ class Policy(TokenScorer):
 
     def disable_dropout(self) -> None:
         """Set every dropout probability to 0, so train-mode log-probs match sampling-time ones."""
-        for module in self.model.modules():
-            if isinstance(module, nn.Dropout):
-                module.p = 0.0
-            if isinstance(getattr(module, "attention_dropout", None), float):
-                module.attention_dropout = 0.0  # Llama-style attention reads a float, not a module
+        disable_dropout(self.model)
 
     def encode_prompts(
         self,

@@ -117,15 +117,6 @@ def pair_texts(
     return texts, flags
 
 
-def disable_dropout(model: nn.Module) -> None:
-    """Set every dropout probability of ``model`` to 0 (as ``Policy.disable_dropout``)."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
-
-
 # ----------------------------------------------------------------------------------------------- model
 class RewardNetwork(nn.Module):
     """A one-label sequence-classification model and its tokenizer; its score is the head's output at the

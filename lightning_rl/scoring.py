@@ -28,6 +28,15 @@ def eval_mode(module: nn.Module) -> Iterator[None]:
             m.training = training
 
 
+def disable_dropout(model: nn.Module) -> None:
+    """Set every dropout probability of ``model`` to 0, so train-mode forwards match eval-mode ones."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0  # Llama-style attention reads a float, not a module
+
+
 def base_model(model: nn.Module) -> nn.Module:
     """The transformers model under a PEFT wrapper (the one owning ``generation_config``)."""
     get_base = getattr(model, "get_base_model", None)

@@ -19,8 +19,8 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning_rl.algorithms.base import PolicyModule, real_rows
 from lightning_rl.callbacks import ExportPolicy
 from lightning_rl.losses import reward_model_loss
-from lightning_rl.reward_model import disable_dropout as zero_dropout
 from lightning_rl.reward_model import load_reward_network, pair_texts
+from lightning_rl.scoring import disable_dropout as zero_dropout
 
 
 class ExportRewardModel(ExportPolicy):
@@ -90,7 +90,7 @@ class RewardModel(PolicyModule):
         if gradient_checkpointing:
             _enable_gradient_checkpointing(self.policy.model)
         if disable_dropout:
-            zero_dropout(self.policy.model)
+            zero_dropout(self.policy.model)  # the argument shadows the function's name
         self.chat_template, self.max_length = chat_template, max_length
         self.center_rewards_coefficient, self.margin_column = center_rewards_coefficient, margin_column
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
