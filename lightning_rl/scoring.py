@@ -16,6 +16,15 @@ from torch import Tensor, nn
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 
+def position_ids(mask: Tensor) -> Tensor:
+    """Position ids that count real tokens only: ``cumsum(mask) - 1``, 0 on left padding.
+
+    Left padding shifts every token; models with absolute positions (GPT-2) are off by ~0.4 nats
+    without this, and rotary models differ slightly. ``mask`` is ``[N, L]`` 0/1 (or bool).
+    """
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 @contextmanager
 def eval_mode(module: nn.Module) -> Iterator[None]:
     """Run without dropout, then restore each submodule's own mode (they may differ)."""
