@@ -9,22 +9,16 @@ if __name__ != "lightning_rl.callbacks":
 
 from lightning_rl.callbacks.base import RLCallback  # noqa: E402
 from lightning_rl.callbacks.export import ExportPolicy  # noqa: E402
-from lightning_rl.callbacks.group_filter import DAPOGroupFilter  # noqa: E402
 from lightning_rl.callbacks.interrupt import CheckpointOnInterrupt  # noqa: E402
-from lightning_rl.callbacks.metrics import PolicyMetrics  # noqa: E402
-from lightning_rl.callbacks.old_policy import OldPolicySnapshot  # noqa: E402
 from lightning_rl.callbacks.predictions import WritePredictions  # noqa: E402
 from lightning_rl.callbacks.samples import LogSamples  # noqa: E402
 from lightning_rl.callbacks.steps import LogAtOptimizerStep, StepProgressBar  # noqa: E402
 
 __all__ = [
     "CheckpointOnInterrupt",
-    "DAPOGroupFilter",
     "ExportPolicy",
     "LogAtOptimizerStep",
     "LogSamples",
-    "OldPolicySnapshot",
-    "PolicyMetrics",
     "RLCallback",
     "StepProgressBar",
     "WritePredictions",

@@ -1,10 +1,9 @@
-"""``RLCallback``: Lightning callbacks with four more hooks, called by the online RL modules.
+"""``RLCallback``: Lightning callbacks that observe the online RL step (read-only).
 
-The order of one RL step is: generate and score a prompt batch -> ``on_rollout_scored`` (may drop
-or add groups: dynamic sampling; returns its own statistics) -> reference log-probs ->
-``on_rollout_end`` (old-policy snapshot, rollout metrics) -> updates, each micro-batch followed by
-``on_update_end`` (loss metrics) -> ``on_step_end`` with the step's final statistics (read-only).
-Statistics flow one way: a callback returns what it measured and never holds the module's dict.
+The step's stages compute every number (``lightning_rl.algorithms.online``); callbacks only see the
+results: ``on_rollout_end`` gets the final rollout of the step (filtered, scored, with advantages) before
+any update, and ``on_step_end`` the step's final statistics (``rollout/*``, ``perf/*``, ...), read-only.
+Removing a callback never changes a number the run computes.
 """
 
 from __future__ import annotations
@@ -19,22 +18,10 @@ if TYPE_CHECKING:
 
 
 class RLCallback(L.Callback):
-    """Base class for callbacks that take part in the RL step. Every hook is a no-op by default."""
-
-    def on_rollout_scored(
-        self, trainer: L.Trainer, pl_module: Any, rollout: Rollout
-    ) -> tuple[Rollout, dict[str, float]]:
-        """After rewards and advantages, before log-probs: the rollout to train on, and statistics to add
-        to the step's (values of names the step already has are summed, e.g. ``perf/generation_time``)."""
-        return rollout, {}
+    """Base class for callbacks that observe the RL step. Every hook is a no-op by default."""
 
     def on_rollout_end(self, trainer: L.Trainer, pl_module: Any, rollout: Rollout) -> None:
-        """The final rollout of this step, before any update."""
-
-    def on_update_end(
-        self, trainer: L.Trainer, pl_module: Any, metrics: dict[str, Any], weight: float
-    ) -> None:
-        """After each micro-batch's backward pass: its loss metrics and its share of the minibatch."""
+        """The final rollout of this step, before any update. Do not modify it."""
 
     def on_step_end(self, trainer: L.Trainer, pl_module: Any, stats: Mapping[str, float]) -> None:
-        """The end of the RL step: its final statistics (``rollout/*``, ``perf/*``), read-only."""
+        """The end of the RL step: its final statistics, read-only."""

@@ -122,11 +122,9 @@ class LogSamples(RLCallback):
             return
         rows = torch.tensor(spread_rows(rollout.group_ids, self.num_samples), device=rollout.lengths.device)
         part = rollout.select(rows)
-        width = part.completion_ids.shape[1]
-        # every sampled token (EOS included), even where the loss mask is off (`mask_truncated`)
-        shown = torch.arange(width, device=part.lengths.device)[None, :] < part.lengths[:, None]
+        # every token in the context (EOS included), even where the loss mask is off (`mask_truncated`)
         prompts = pl_module.decode(part.prompt_ids, part.prompt_mask)
-        completions = pl_module.decode(part.completion_ids, shown.long())
+        completions = pl_module.decode(part.completion_ids, part.attention_mask)
         table = markdown_table(prompts, completions, part.rewards.tolist(), part.correct.tolist(),
                                self.max_chars)
         self.write(trainer, "samples/train", table)

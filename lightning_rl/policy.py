@@ -7,114 +7,21 @@ completion length (right-padded), ``V`` vocabulary size.
 from __future__ import annotations
 
 import copy
-import inspect
-from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
-import transformers
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from packaging.version import Version
 from torch import Tensor, nn
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GenerationConfig,
-    PretrainedConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from lightning_rl.sampling import sample_compacting
-from lightning_rl.scoring import (
-    ReferencePolicy,
-    TokenScorer,
-    base_model,
-    cache_argument,
-    disable_dropout,
-    eval_mode,
-    returned_cache,
-)
+from lightning_rl.adapters import is_peft_model
+from lightning_rl.engine import Generation, SamplingParams, completion_mask, hf_generate
+from lightning_rl.scoring import ReferencePolicy, TokenScorer, disable_dropout
+
+__all__ = ["Generation", "Policy", "completion_mask"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
-# transformers renamed `torch_dtype` to `dtype` in 4.56; we support older releases too.
-_DTYPE_KWARG = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
-
-
-@dataclass
-class Generation:
-    """One batch of sampled completions; the samples of prompt ``i`` are rows ``i*G .. i*G+G-1``.
-
-    Attributes:
-        prompt_ids: ``[N, P]`` long, left-padded with the pad token.
-        prompt_mask: ``[N, P]`` long 0/1, 1 on real prompt tokens.
-        completion_ids: ``[N, C]`` long, right-padded with the pad token after the first EOS.
-        completion_mask: ``[N, C]`` long 0/1, 1 on tokens up to and including the first EOS (a pad
-            token sampled before EOS is a real token, so this is not ``completion_ids != pad``).
-        truncated: ``[N]`` bool, True where no EOS was sampled within ``max_new_tokens``.
-        logits: ``[N, C, V]`` float, the raw (untempered, unfiltered) logits that produced each
-            completion token; only when ``Policy.generate(return_logits=True)``, else None.
-    """
-
-    prompt_ids: Tensor
-    prompt_mask: Tensor
-    completion_ids: Tensor
-    completion_mask: Tensor
-    truncated: Tensor
-    logits: Tensor | None = None
-
-    @property
-    def lengths(self) -> Tensor:
-        """``[N]`` long: number of completion tokens, EOS included."""
-        return self.completion_mask.sum(-1)
-
-
-def completion_mask(completion_ids: Tensor, eos_token_id: int) -> tuple[Tensor, Tensor]:
-    """Mask of the tokens up to and including the first EOS of each row.
-
-    Args:
-        completion_ids: ``[N, C]`` sampled tokens.
-        eos_token_id: the token that ends a completion.
-
-    Returns:
-        ``(mask, truncated)``: ``[N, C]`` long 0/1 and ``[N]`` bool (no EOS in the row).
-    """
-    is_eos = (completion_ids == eos_token_id).long()
-    # EOS tokens strictly before each position: zero until just after the first EOS.
-    eos_before = is_eos.cumsum(-1) - is_eos
-    return (eos_before == 0).long(), is_eos.sum(-1) == 0
-
-
-def _keep_one(model: nn.Module) -> dict[str, int]:
-    """Only the last position's logits, for models whose forward takes ``logits_to_keep``."""
-    params = inspect.signature(base_model(model).forward).parameters
-    return {name: 1 for name in ("logits_to_keep", "num_logits_to_keep") if name in params}
-
-
-def _is_peft(model: nn.Module) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
-
-
-@contextmanager
-def _plain_generation_config(model: nn.Module) -> Iterator[None]:
-    """Hide the checkpoint's ``generation_config.json`` during ``generate``.
-
-    transformers fills every option we leave unset from it (repetition_penalty, min_p, extra EOS
-    ids, ...), which would make sampling differ from the distribution ``token_logprobs`` scores.
-    """
-    base = base_model(model)
-    saved = base.generation_config
-    base.generation_config = GenerationConfig()
-    try:
-        yield
-    finally:
-        base.generation_config = saved
 
 
 class Policy(TokenScorer):
@@ -130,8 +37,8 @@ class Policy(TokenScorer):
         ValueError: if the tokenizer has no EOS token (generation could never stop).
     """
 
-    # sample with lightning_rl.sampling's loop (prefill once per prompt, finished rows leave the batch)
-    # instead of transformers' generate; OnlineRL turns it on with `share_prompt_prefix`
+    # `generate` samples with lightning_rl.sampling's loop (prefill once per prompt, finished rows leave the
+    # batch) instead of transformers' generate
     compact_sampling: bool = False
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -183,7 +90,7 @@ class Policy(TokenScorer):
         """
         if dtype is not None and dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or None, got {dtype!r}")
-        kwargs = {_DTYPE_KWARG: _DTYPES[dtype or "float32"], "trust_remote_code": trust_remote_code,
+        kwargs = {"dtype": _DTYPES[dtype or "float32"], "trust_remote_code": trust_remote_code,
                   "local_files_only": local_files_only}
         if revision is not None:
             kwargs["revision"] = revision
@@ -259,7 +166,6 @@ class Policy(TokenScorer):
                 )
         return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
 
-    @torch.no_grad()
     def generate(
         self,
         prompt_ids: Tensor,
@@ -274,98 +180,26 @@ class Policy(TokenScorer):
         synced_gpus: bool = False,
         return_logits: bool = False,
     ) -> Generation:
-        """Sample ``num_samples`` completions per prompt in one batched, KV-cached ``generate`` call.
+        """Sample ``num_samples`` completions per prompt with this model (a convenience for scripts and
+        tests; training, validation and predict sample through the module's rollout engine).
 
-        Greedy when ``do_sample`` is False or ``temperature`` is 0. Only temperature, top-k and
-        top-p shape the distribution (the checkpoint's generation config is ignored), so
-        ``token_logprobs`` with the same settings scores exactly what was sampled.
-
-        Args:
-            prompt_ids: ``[B, P]`` left-padded prompts; ``prompt_mask`` 1 on real tokens.
-            num_samples: completions per prompt (``G``); the rows of a prompt are consecutive.
-            max_new_tokens: completion length limit.
-            temperature: sampling temperature; ``top_p`` (1.0 = off) and ``top_k`` (0 = off) filter.
-            do_sample: False for greedy decoding.
-            synced_gpus: keep stepping until every rank is done (needed under FSDP / ZeRO-3).
-            return_logits: also return the raw logits (``N*C*V`` floats: for tests and debugging).
-
-        Returns:
-            A ``Generation`` with ``N = B * num_samples`` rows.
+        Greedy when ``do_sample`` is False or ``temperature`` is 0. Only temperature, top-k and top-p shape
+        the distribution (the checkpoint's generation config is ignored), so ``token_logprobs`` with the
+        same settings scores exactly what was sampled. ``synced_gpus``: keep stepping until every rank is
+        done (sharded weights). ``return_logits``: also the raw logits (``N*C*V`` floats). The samples of
+        prompt ``i`` are rows ``i*G .. i*G+G-1``. See :func:`lightning_rl.engine.hf_generate`.
         """
-        if num_samples < 1 or max_new_tokens < 1 or temperature < 0 or top_k < 0 or not 0.0 < top_p <= 1.0:
-            raise ValueError(
-                f"invalid sampling settings: num_samples={num_samples}, max_new_tokens={max_new_tokens}, "
-                f"temperature={temperature}, top_k={top_k}, top_p={top_p}"
-            )
-        if self.compact_sampling and not synced_gpus and not return_logits:
-            prompt_ids = prompt_ids.repeat_interleave(num_samples, dim=0)
-            prompt_mask = prompt_mask.repeat_interleave(num_samples, dim=0)
-            with eval_mode(self.model):
-                completion_ids = sample_compacting(
-                    self.model, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens,
-                    eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id, temperature=temperature,
-                    top_k=top_k, top_p=top_p, do_sample=do_sample)
-            return self._generation(prompt_ids, prompt_mask, completion_ids, None)
-        prefix = {}
-        if num_samples > 1 and prompt_ids.shape[1] > 1 and self.share_prompts:
-            prefix = self._prefilled(prompt_ids, prompt_mask, num_samples)
-        prompt_ids = prompt_ids.repeat_interleave(num_samples, dim=0)
-        prompt_mask = prompt_mask.repeat_interleave(num_samples, dim=0)
-        sampling = {"do_sample": False}
-        if do_sample and temperature > 0:
-            sampling = {"do_sample": True, "temperature": temperature, "top_k": top_k, "top_p": top_p}
-        config = GenerationConfig(
-            max_new_tokens=max_new_tokens,
-            pad_token_id=self.pad_token_id,
-            eos_token_id=self.eos_token_id,
-            return_dict_in_generate=True,
-            output_logits=return_logits,
-            **sampling,
-        )
-        # Eval mode: no dropout while sampling (and gradient checkpointing would turn the cache off).
-        with eval_mode(self.model), _plain_generation_config(self.model):
-            out = self.model.generate(
-                input_ids=prompt_ids,
-                attention_mask=prompt_mask,
-                generation_config=config,
-                synced_gpus=synced_gpus,
-                **prefix,
-            )
-        logits = torch.stack(out.logits, dim=1) if return_logits else None
-        return self._generation(prompt_ids, prompt_mask, out.sequences[:, prompt_ids.shape[1] :], logits)
-
-    def _generation(
-        self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, logits: Tensor | None
-    ) -> Generation:
-        mask, truncated = completion_mask(completion_ids, self.eos_token_id)
-        return Generation(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask.long(),
-            completion_ids=completion_ids.masked_fill(mask == 0, self.pad_token_id),
-            completion_mask=mask,
-            truncated=truncated,
-            logits=logits,
-        )
-
-    @torch.no_grad()
-    def _prefilled(self, prompt_ids: Tensor, prompt_mask: Tensor, num_samples: int) -> dict[str, Any]:
-        """``generate``'s cache argument holding every prompt but its last token, computed once per prompt
-        and repeated for its ``num_samples`` rows (``generate`` then runs only the last prompt token, where
-        it would otherwise run every prompt ``num_samples`` times)."""
-        ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1].long()
-        with eval_mode(self.model):
-            out = self.model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                             use_cache=True, **_keep_one(self.model))
-        cache = returned_cache(out)
-        cache.batch_repeat_interleave(num_samples)
-        return {cache_argument(self.model): cache}
+        sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                  top_k=top_k, do_sample=do_sample)
+        return hf_generate(self, prompt_ids, prompt_mask, num_samples=num_samples, sampling=sampling,
+                           compact=self.compact_sampling, synced_gpus=synced_gpus, return_logits=return_logits)
 
     def _scoring(self) -> tuple[nn.Module, AbstractContextManager]:
         return self.model, nullcontext()
 
     def reference(self) -> ReferencePolicy:
         """A frozen reference: the PEFT model with adapters disabled, else a deep copy of the model."""
-        if _is_peft(self.model):
+        if is_peft_model(self.model):
             return ReferencePolicy(self.model, shares_weights=True)
         return ReferencePolicy(copy.deepcopy(self.model), shares_weights=False)
 
@@ -377,7 +211,7 @@ class Policy(TokenScorer):
         plain folder for ``AutoModelForCausalLM``. The tokenizer is written with the ``padding_side`` it came
         with (left padding is only what generation here needs).
         """
-        if merged and _is_peft(self.model):
+        if merged and is_peft_model(self.model):
             from lightning_rl.adapters import merged_model
 
             merged_model(self.model, self.model.state_dict()).save_pretrained(path)

@@ -8,13 +8,16 @@ column as a list aligned with the completions. It returns one float per completi
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 RewardFn = Callable[..., Sequence[float]]
+log = logging.getLogger(__name__)
 
 
 def import_reward(path: str) -> RewardFn:
@@ -232,3 +235,94 @@ def overlong_reward(completion_lengths: Sequence[int], max_len: int, cache_len: 
     from lightning_rl.losses import overlong_penalty
 
     return overlong_penalty(torch.as_tensor(list(completion_lengths)), max_len, cache_len).tolist()
+
+
+@dataclass
+class RewardResult:
+    """The rewards of one batch of samples.
+
+    Attributes:
+        rewards: ``[N]`` float: the functions' weighted total + the weighted reward-model score + shaping.
+        correct: ``[N]`` bool: verifiable correctness (``correctness_fn``), what filters and accuracy read.
+        scores: the reward functions' scores, failures and errors (``RewardScores``).
+        stats: ``rollout/reward_errors``, ``rollout/overlong_penalty_mean``, ``perf/reward_time``.
+    """
+
+    rewards: Any
+    correct: Any
+    scores: RewardScores
+    stats: dict[str, float]
+
+
+class RewardPipeline:
+    """The rewards stage: reward functions, a reward model, overlong shaping, correctness, and the check
+    that stops a run whose rewards fail too often (decided on counts summed over all ranks).
+
+    Args:
+        scorer: the weighted reward functions, or ``None`` (a reward model alone).
+        correctness_fn: ``(prompts=, completions=, **columns) -> list`` of correctness per sample.
+        reward_model: a ``RewardModelScorer`` (``score(texts, completions, add_special_tokens=)``) or None.
+        reward_model_weight: weight of its score.
+        render: ``prompts -> (rendered texts, add_special_tokens)`` for the reward model's re-tokenising.
+        overlong: ``(max_len, buffer, factor)`` of DAPO's soft overlong punishment, or None.
+    """
+
+    def __init__(self, scorer: RewardScorer | None, correctness_fn: RewardFn, *, reward_model: Any = None,
+                 reward_model_weight: float = 1.0, render: Any = None,
+                 overlong: tuple[int, int, float] | None = None) -> None:
+        self.scorer, self.correctness_fn = scorer, correctness_fn
+        self.reward_model, self.reward_model_weight = reward_model, reward_model_weight
+        self.render, self.overlong = render, overlong
+
+    def score(self, prompts: Sequence[Any], texts: list[str], lengths: list[int],
+              columns: dict[str, list]) -> tuple[Any, RewardScores]:
+        """``[N]`` rewards (functions + reward model, unshaped) and the functions' scores."""
+        import torch
+
+        if self.scorer is not None:
+            scores = self.scorer.score(prompts, texts, completion_lengths=lengths, **columns)
+        else:
+            scores = RewardScores([0.0] * len(texts), frozenset(), [])
+        rewards = torch.tensor(scores.totals, dtype=torch.float32)
+        if self.reward_model is not None and texts:
+            rendered, special = self.render(prompts)
+            model_scores = self.reward_model.score(rendered, texts, add_special_tokens=special)
+            rewards = rewards + self.reward_model_weight * model_scores.cpu().float()
+        return rewards, scores
+
+    def __call__(self, prompts: Sequence[Any], texts: list[str], lengths: list[int], columns: dict[str, list],
+                 *, collectives: Any = None) -> RewardResult:
+        """Score one batch. ``collectives``: decide whether too many rewards failed (every rank once per
+        step, on its first batch; a refill round passes ``None``: its count is rank-dependent)."""
+        import torch
+
+        start = time.perf_counter()
+        rewards, scores = self.score(prompts, texts, lengths, columns)
+        if collectives is not None:
+            self.check_failures(scores, collectives)
+        if collectives is None or collectives.rank == 0:
+            for errors in scores.errors:
+                log.warning(str(errors))
+        penalty = torch.zeros(len(texts))
+        if self.overlong is not None:
+            max_len, buffer, factor = self.overlong
+            penalty = factor * torch.tensor(overlong_reward(lengths, max_len, buffer), dtype=torch.float32)
+            rewards = rewards + penalty
+        correct = torch.tensor([bool(c) for c in self.correctness_fn(prompts=prompts, completions=texts,
+                                                                   **columns)], dtype=torch.bool)
+        stats = {"rollout/reward_errors": float(len(scores.failed)),
+                 "rollout/overlong_penalty_mean": float(penalty.mean()) if len(penalty) else 0.0,
+                 "perf/reward_time": time.perf_counter() - start}
+        return RewardResult(rewards, correct, scores, stats)
+
+    def check_failures(self, scores: RewardScores, collectives: Any) -> None:
+        """Stop when failures summed over all ranks exceed ``model.max_reward_error_frac`` (every rank
+        makes the all-reduce and reaches the same verdict, so they raise together)."""
+        import torch
+
+        if self.scorer is None or not self.scorer.limits_failures:
+            return
+        counts = torch.tensor([len(scores.failed), len(scores.totals)], dtype=torch.float32)
+        failed, total = collectives.sum(counts).tolist()
+        where = f"rank {collectives.rank}" if collectives.world_size > 1 else ""
+        self.scorer.check_failures(scores, failed, total, where)

@@ -11,6 +11,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from lightning_rl.engine import Generation
+
 Tensor = torch.Tensor
 
 
@@ -22,17 +24,26 @@ class Rollout:
         prompt_ids: ``[N, P]`` long, left-padded.
         prompt_mask: ``[N, P]`` 0/1, 1 on real prompt tokens.
         completion_ids: ``[N, C]`` long, right-padded.
-        completion_mask: ``[N, C]`` 0/1, 1 on the tokens the loss counts: the completion up to and
-            including its first EOS (zeroed for truncated rows when truncated completions are masked).
+        attention_mask: ``[N, C]`` 0/1, 1 on the completion tokens present in the context: the sampled
+            tokens up to and including the first EOS (and, in episodes, environment tokens). Every scoring
+            forward reads this mask, and only this one.
+        loss_mask: ``[N, C]`` 0/1, 1 on the tokens the loss counts: a subset of ``attention_mask``
+            (truncated rows under ``mask_truncated``, tokens with non-finite behaviour or reference
+            log-probs and environment tokens are 0 here but stay in the context). Aggregation, counts and
+            advantages read this mask, and only this one.
         truncated: ``[N]`` bool, no EOS within the token budget.
         lengths: ``[N]`` long, sampled completion lengths (EOS included), whatever the loss mask says.
         group_ids: ``[N]`` long, index of the prompt each row answers (consecutive groups of G).
         rewards: ``[N]`` float, total (weighted, shaped) reward.
         correct: ``[N]`` bool, verifiable correctness (what DAPO's filter and ``val/accuracy`` use).
-        advantages: ``[N]`` (per sequence) or ``[N, C]`` (per token, PPO) float.
-        old_logp: ``[N, C]`` behaviour-policy log-probs, or ``None`` when each rollout gets exactly one
-            update (the ratio is then 1 and the current log-probs, detached, stand in).
+        advantages: ``[N]`` (per sequence) or ``[N, C]`` (per token) float, set once by the advantage
+            estimator after filtering.
+        old_logp: ``[N, C]`` behaviour-policy log-probs, or ``None`` on-policy (one update per rollout from
+            the trained module: the ratio is 1 and the current log-probs, detached, stand in).
         ref_logp: ``[N, C]`` reference log-probs, or ``None`` when no KL term is on.
+        rollout_logp: ``[N, C]`` the engine's log-probs of the sampled tokens, when it returns them.
+        token_rewards: ``[N, C]`` per-token rewards (the score on the last token minus a KL-in-reward
+            penalty), when a KL penalty is in the reward; else ``None`` (``rewards`` alone).
         values: ``[N, C]`` critic values at rollout time (PPO), else ``None``.
         returns: ``[N, C]`` value targets (PPO), else ``None``.
     """
@@ -40,7 +51,8 @@ class Rollout:
     prompt_ids: Tensor
     prompt_mask: Tensor
     completion_ids: Tensor
-    completion_mask: Tensor
+    attention_mask: Tensor
+    loss_mask: Tensor
     truncated: Tensor
     lengths: Tensor
     group_ids: Tensor
@@ -49,6 +61,8 @@ class Rollout:
     advantages: Tensor | None = None
     old_logp: Tensor | None = None
     ref_logp: Tensor | None = None
+    rollout_logp: Tensor | None = None
+    token_rewards: Tensor | None = None
     values: Tensor | None = None
     returns: Tensor | None = None
 
@@ -71,6 +85,21 @@ class Rollout:
         order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
         for start in range(0, n, size):
             yield self.select(order[start : start + size].to(self.completion_ids.device))
+
+    def empty(self) -> Rollout:
+        """No rows, every field's shape otherwise kept (a rank's share that ran out)."""
+        return self.select(torch.arange(0, device=self.completion_ids.device))
+
+    @classmethod
+    def from_generation(cls, gen: Generation, group_ids: Tensor, rewards: Tensor, correct: Tensor,
+                        mask_truncated: bool = False) -> Rollout:
+        """A rollout of ``gen``: the loss counts every sampled token (not truncated rows' when
+        ``mask_truncated``)."""
+        loss_mask = gen.completion_mask
+        if mask_truncated:
+            loss_mask = loss_mask * (~gen.truncated).long()[:, None]
+        return cls(gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask, loss_mask,
+                   gen.truncated, gen.lengths, group_ids, rewards, correct, rollout_logp=gen.rollout_logp)
 
     @staticmethod
     def cat(parts: list[Rollout]) -> Rollout:
@@ -119,9 +148,11 @@ def merge_stats(stats: Mapping[str, float], extra: Mapping[str, float]) -> dict[
 def exclude_nonfinite(rollout: Rollout) -> tuple[Rollout, float]:
     """Leave out of the loss any token whose behaviour or reference log-prob is not finite.
 
+    Only ``loss_mask`` changes: the token stays in the context (``attention_mask``), so the other tokens
+    of its row are scored against the same context as their behaviour and reference log-probs were.
     Returns the rollout (a new record when anything was excluded) and the number of excluded tokens.
     """
-    valid = rollout.completion_mask.bool()
+    valid = rollout.loss_mask.bool()
     keep = valid
     for logp in (rollout.old_logp, rollout.ref_logp):
         if logp is not None:
@@ -131,4 +162,21 @@ def exclude_nonfinite(rollout: Rollout) -> tuple[Rollout, float]:
         return rollout, 0.0
     clean = {name: None if t is None else torch.where(keep, t, 0.0)
              for name, t in (("old_logp", rollout.old_logp), ("ref_logp", rollout.ref_logp))}
-    return replace(rollout, completion_mask=keep.to(rollout.completion_mask.dtype), **clean), excluded
+    return replace(rollout, loss_mask=keep.to(rollout.loss_mask.dtype), **clean), excluded
+
+
+def rollout_stats(rollout: Rollout) -> dict[str, tuple[Tensor, float]]:
+    """``rollout/*`` statistics of one (non-empty) rollout as ``{name: (value, weight)}``."""
+    n = float(len(rollout))
+    rewards = rollout.rewards.float()
+    _, sizes = torch.unique_consecutive(rollout.group_ids, return_counts=True)
+    groups = torch.split(rewards, sizes.tolist())
+    zero_std = torch.stack([(g.max() == g.min()).float() for g in groups])
+    return {
+        "rollout/reward_mean": (rewards.mean(), n),
+        "rollout/reward_std": (rewards.std() if len(rewards) > 1 else rewards.new_zeros(()), n),
+        "rollout/correct_frac": (rollout.correct.float().mean(), n),
+        "rollout/response_length_mean": (rollout.lengths.float().mean(), n),
+        "rollout/truncated_frac": (rollout.truncated.float().mean(), n),
+        "rollout/zero_std_group_frac": (zero_std.mean(), float(len(groups))),
+    }

@@ -25,6 +25,7 @@ from lightning_rl.adapters import (
     wrap_model,
 )
 from lightning_rl.data.validation import VAL_WEIGHT_KEY
+from lightning_rl.engine import Generation, HFEngine, RolloutEngine, SamplingParams
 from lightning_rl.models import load_policy
 from lightning_rl.policy import Policy
 from lightning_rl.rewards import import_reward
@@ -86,6 +87,8 @@ class PolicyModule(L.LightningModule):
         export_merged: with adapters, the exported policy folder holds the merged weights (a plain causal LM
             for ``AutoModelForCausalLM``) instead of the adapter folder (``adapter_config.json`` +
             ``adapter_model.safetensors``, loaded with ``peft`` on top of the base model).
+        engine: what samples completions (rollouts, validation, predict): a ``lightning_rl.engine``
+            ``RolloutEngine`` as ``class_path`` + ``init_args``; default the in-process ``HFEngine``.
     """
 
     def __init__(
@@ -105,8 +108,10 @@ class PolicyModule(L.LightningModule):
         fsdp_reduce_dtype: str | None = None,
         peft: dict[str, Any] | None = None,
         export_merged: bool = False,
+        engine: RolloutEngine | None = None,
     ) -> None:
         super().__init__()
+        self.engine = engine if engine is not None else HFEngine()
         validate_fsdp_args(fsdp_param_dtype, fsdp_reduce_dtype)
         if max_prompt_length < 1 or max_new_tokens < 1:
             raise ValueError("`model.max_prompt_length` and `model.max_new_tokens` must be >= 1")
@@ -276,12 +281,26 @@ class PolicyModule(L.LightningModule):
         ids = completion_ids.masked_fill(completion_mask == 0, self.policy.pad_token_id)
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
+    def sampling_params(self, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                        do_sample: bool = True) -> SamplingParams:
+        return SamplingParams(self.max_new_tokens, temperature, top_p, top_k, do_sample)
+
+    def compact_sampling_allowed(self) -> bool:
+        """Whether the engine may use the compacting sampler (``OnlineRL``: ``share_prompt_prefix``)."""
+        return False
+
+    def generate(self, prompts: Sequence[Any], *, num_samples: int = 1, sampling: SamplingParams,
+                 seed: int | None = None) -> Generation:
+        """Completions of ``prompts`` from the module's engine (attached to the policy here: sharded weights
+        make every rank keep generating until all finish, whatever their lengths)."""
+        ids, mask = self.encode_prompts(prompts)
+        self.engine.attach(self.policy, synced=needs_synced_generation(self._trainer, self.policy.model),
+                           compact=self.compact_sampling_allowed())
+        return self.engine.generate(ids, mask, num_samples=num_samples, sampling=sampling, seed=seed)
+
     def greedy(self, prompts: Sequence[Any]) -> tuple[list[str], list[int]]:
         """Greedy completions of ``prompts`` and their lengths in tokens (EOS included)."""
-        ids, mask = self.encode_prompts(prompts)
-        synced = needs_synced_generation(self._trainer, self.policy.model)  # ranks' lengths may differ
-        gen = self.policy.generate(ids, mask, max_new_tokens=self.max_new_tokens, do_sample=False,
-                                   synced_gpus=synced)
+        gen = self.generate(prompts, sampling=self.sampling_params(do_sample=False))
         return self.decode(gen.completion_ids, gen.completion_mask), gen.lengths.tolist()
 
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> dict[str, Any]:
@@ -329,19 +348,17 @@ class PolicyModule(L.LightningModule):
         from lightning_rl.callbacks.predictions import WritePredictions
         from lightning_rl.data.prompts import ROW_INDEX_KEY
 
-        if not hasattr(self.policy, "generate"):
+        if not hasattr(self, "engine"):
             raise ValueError(f"`predict` generates completions: {type(self).__name__} has no policy to run")
         writer = next((cb for cb in self.trainer.callbacks if isinstance(cb, WritePredictions)), None)
         writer = writer or WritePredictions()
         n, temperature = writer.num_generations, writer.temperature
         sample = n > 1 or temperature is not None
-        temperature = temperature if temperature is not None else getattr(self, "temperature", 1.0)
-        ids, mask = self.encode_prompts(batch["prompt"])
-        gen = self.policy.generate(
-            ids, mask, num_samples=n, max_new_tokens=self.max_new_tokens, do_sample=sample,
-            temperature=temperature, top_p=getattr(self, "top_p", 1.0), top_k=getattr(self, "top_k", 0),
-            synced_gpus=needs_synced_generation(self._trainer, self.policy.model),  # ranks' lengths differ
-        )
+        temperature = temperature if temperature is not None else getattr(
+            getattr(self, "sampling", None), "temperature", 1.0)
+        trained = getattr(self, "sampling", None) or self.sampling_params()
+        gen = self.generate(batch["prompt"], num_samples=n, sampling=self.sampling_params(
+            temperature, trained.top_p, trained.top_k, do_sample=sample))
         completions, lengths = self.decode(gen.completion_ids, gen.completion_mask), gen.lengths.tolist()
         data = {k: v for k, v in batch_columns(batch).items() if k != ROW_INDEX_KEY}
         prompts = [p for p in batch["prompt"] for _ in range(n)]

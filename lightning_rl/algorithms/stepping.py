@@ -1,0 +1,167 @@
+"""Lightning glue of the online step: manual optimisation of one or two trained models (the policy and,
+for PPO, a critic), their setup, sharding, clipping, checkpointed state and callbacks.
+
+The updater (``lightning_rl.update``) decides what to accumulate and when to step; this mixin supplies
+the strategy-specific parts as :class:`~lightning_rl.update.UpdateHooks`: the gradient-sync context of a
+micro-batch (DDP ``no_sync``, FSDP2 ``set_requires_gradient_sync``, DeepSpeed's accumulation boundary),
+the optimiser step (clipping in ``on_before_optimizer_step``, after the precision plugin unscaled) and the
+LR schedulers. One trainer step is one policy update: a second optimiser steps through the strategy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from lightning_rl.adapters import trainable_parameters
+from lightning_rl.metrics import StepMetrics
+from lightning_rl.sharding import (
+    collective_forward,
+    deepspeed_engine,
+    full_value,
+    is_sharded,
+    no_gradient_sync,
+    shard_policy_model,
+    start_deepspeed_micro_batch,
+    strategy_is,
+)
+from lightning_rl.update import TrainedModel, UpdateHooks
+
+
+class ManualSteps:
+    """Mixin for :class:`~lightning_rl.algorithms.online.OnlineRL` (see the module docstring)."""
+
+    critic: Any
+    _reference: Any
+
+    @property
+    def step_metrics(self) -> StepMetrics:
+        if "_step_metrics" not in self.__dict__:
+            self.__dict__["_step_metrics"] = StepMetrics()
+        return self.__dict__["_step_metrics"]
+
+    def rl_callbacks(self) -> list:
+        from lightning_rl.callbacks.base import RLCallback
+
+        return [cb for cb in self.trainer.callbacks if isinstance(cb, RLCallback)]
+
+    # ---- setup -------------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        if self.critic is not None and strategy_is(self.trainer.strategy, ("DeepSpeedStrategy",)):
+            raise ValueError(f"{type(self).__name__} trains two models with two optimisers and Lightning's "
+                             "DeepSpeed strategy takes one: use DDP or FSDP2 (configs/strategy/fsdp2.yaml)")
+        super().setup(stage)
+
+    def deepspeed_defaults(self) -> dict[str, Any]:
+        """Under DeepSpeed the engine clips (after unscaling, on its partitions): ``max_grad_norm`` goes there."""
+        return {**super().deepspeed_defaults(), "gradient_clipping": self.updater.max_grad_norm or 0.0}
+
+    def configure_model(self) -> None:
+        """FSDP2: a critic is sharded like the policy (each decoder layer, then the root)."""
+        super().configure_model()
+        if self.critic is not None and self.device_mesh is not None:
+            shard_policy_model(self.critic.model, self.device_mesh, cpu_offload=self.fsdp_cpu_offload,
+                               param_dtype=self.fsdp_param_dtype, reduce_dtype=self.fsdp_reduce_dtype)
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        self.policy.disable_dropout()  # log-probs must match what sampling saw
+        if self.critic is not None:
+            self.critic.train()
+        # one forward per distinct prompt in scoring; off where forwards are collective (their count would
+        # depend on each rank's data) and under gradient checkpointing (which turns the cache off)
+        model = self.policy.model
+        share = (self.share_prompt_prefix and not collective_forward(model)
+                 and not getattr(model, "is_activation_checkpointing", False))
+        self.policy.share_prompts = share
+        if self._reference is not None:
+            self._reference.share_prompts = share
+            self._reference.to(self.device)
+        if self.reward_pipeline.reward_model is not None:
+            self.reward_pipeline.reward_model.to(self.device)
+
+    def compact_sampling_allowed(self) -> bool:
+        return self.share_prompt_prefix
+
+    def extra_exports(self) -> dict[str, Any]:
+        """Written by ``ExportPolicy`` next to the policy folder: ``critic/`` when there is one."""
+        return {"critic": self.critic} if self.critic is not None else {}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        if self.kl_reward is not None:
+            checkpoint["kl_coef_value"] = self.kl_reward.value  # the adaptive controller's state
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        if self.kl_reward is not None and "kl_coef_value" in checkpoint:
+            self.kl_reward.value = checkpoint["kl_coef_value"]
+
+    def configure_optimizers(self) -> Any:
+        """The policy's optimiser (and scheduler); with a critic, its own optimiser and scheduler too."""
+        if self.critic is None:
+            return super().configure_optimizers()
+        policy_opt = self.optimizer_factory(trainable_parameters(self.policy))
+        critic_opt = self.critic_optimizer_factory(self.critic.parameters())
+        pairs = ((self.scheduler_factory, policy_opt), (self.critic_scheduler_factory, critic_opt))
+        schedulers = [{"scheduler": make(opt), "interval": "step"} for make, opt in pairs if make is not None]
+        return [policy_opt, critic_opt], schedulers
+
+    # ---- the updater's hooks -------------------------------------------------------------------------
+    def update_hooks(self) -> UpdateHooks:
+        return UpdateHooks(backward=self.manual_backward, accumulating=self.accumulating, step=self.step_trained)
+
+    def accumulating(self, roots: list[Any], last: bool) -> Any:
+        """The context of one micro-batch's backward: gradients are reduced over ranks only for the last."""
+        engine = deepspeed_engine(self.trainer)
+        if engine is not None:  # its no_sync refuses ZeRO-2/3, which reduce partitions in every backward
+            start_deepspeed_micro_batch(engine, boundary=last)
+            return contextlib.nullcontext()
+        if last:
+            return contextlib.nullcontext()
+        if is_sharded(self.policy.model):  # FSDP2: no wrapper; each trained model is a sharded root
+            stack = contextlib.ExitStack()
+            for root in roots:
+                stack.enter_context(no_gradient_sync(root))
+            return stack
+        wrapped = getattr(self.trainer.strategy, "model", None)
+        if wrapped is self or not hasattr(wrapped, "no_sync"):  # single device
+            return contextlib.nullcontext()
+        return wrapped.no_sync()
+
+    def step_trained(self, trained: TrainedModel) -> None:
+        """Step one trained model's optimiser, then its LR scheduler (DeepSpeed: the engine does both)."""
+        opt = trained.optimizer
+        if trained.counts_as_step:
+            opt.step()
+        else:
+            self.trainer.strategy.optimizer_step(opt.optimizer, closure=lambda: None, model=self)
+        engine = deepspeed_engine(self.trainer)
+        if engine is not None:
+            norm = engine.get_global_grad_norm()
+            if norm is not None:
+                self.step_metrics.add(self.device, {f"{trained.name}/grad_norm": float(norm)})
+            return
+        for config in self.trainer.lr_scheduler_configs:
+            if config.scheduler.optimizer is opt.optimizer:
+                config.scheduler.step()
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """Clip by global norm through Lightning (right under AMP, FSDP2) and log the norm before clipping
+        as ``<name>/grad_norm`` of the model whose optimiser this is."""
+        max_norm = self.updater.max_grad_norm
+        if max_norm is None or deepspeed_engine(self.trainer) is not None:
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
+        norm = full_value(norm)  # FSDP2: a DTensor of partial norms; the global norm on every rank
+        if is_sharded(self.policy.model):  # clip_grad_norm_ reduces the DTensor norm over the mesh itself
+            torch.nn.utils.clip_grad_norm_(params, max_norm)
+        else:
+            self.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
+        critic = {id(p) for p in self.critic.parameters()} if self.critic is not None else set()
+        name = "critic" if any(id(p) in critic for p in params) else "policy"
+        self.step_metrics.add(self.device, {f"{name}/grad_norm": norm.detach()})

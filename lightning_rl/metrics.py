@@ -1,0 +1,77 @@
+"""The RL step's metrics: weighted means over the step (and over ranks), logged once per step.
+
+Stages return their numbers; the module feeds them here with a weight (samples for rollout statistics,
+the micro-batch's share for loss terms) and logs everything at the end of the step. Collectives are
+symmetric by construction: a rank whose rollout is empty updates no ``rollout/*`` or ``policy/*`` metric,
+yet must join every all-reduce the other ranks make, so the key set is every name *any* rank has updated
+so far in the run (exchanged once per step and kept in a registry that only grows). Every rank computes
+every registered metric in sorted order; a rank without data contributes weight 0. When no rank had data
+(NaN after the reduction) the name is not logged that step: the decision follows the reduced value, so
+every rank makes it alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torchmetrics import MeanMetric
+
+STEP_STAT_PREFIXES = ("perf/", "rollout/", "critic/", "policy/")  # step statistics that are logged
+NOT_LOGGED = ("perf/generated_tokens",)
+
+
+class StepMetrics:
+    """Weighted means of the step's metrics (``torchmetrics.MeanMetric``, synced over ranks)."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, MeanMetric] = {}
+        self.updated: set[str] = set()  # names this rank updated during the current step
+
+    def _metric(self, device: torch.device, name: str) -> MeanMetric:
+        if name not in self.metrics:
+            self.metrics[name] = MeanMetric(nan_strategy="ignore").to(device)
+        return self.metrics[name]
+
+    def add(self, device: torch.device, values: Mapping[str, Any], weight: float = 1.0) -> None:
+        """Add each value with ``weight``."""
+        for name, value in values.items():
+            value = torch.as_tensor(value, dtype=torch.float32, device=device)
+            weight_t = torch.as_tensor(weight, dtype=torch.float32, device=device)
+            self._metric(device, name).update(value, weight_t)
+            self.updated.add(name)
+
+    def add_stats(self, device: torch.device, stats: Mapping[str, float]) -> None:
+        """The step's statistics (one value each) whose names are logged."""
+        self.add(device, {k: v for k, v in stats.items()
+                          if k.startswith(STEP_STAT_PREFIXES) and k not in NOT_LOGGED})
+
+    def log(self, device: torch.device, log: Callable[[str, torch.Tensor], None]) -> dict[str, float]:
+        """Reduce every known metric over ranks, ``log`` each, reset; returns what was logged."""
+        for name in agreed_names(self.updated):
+            self._metric(device, name)
+        self.updated = set()
+        out = {}
+        for name in sorted(self.metrics):  # every rank: the same names, in the same order
+            metric = self.metrics[name]
+            if not metric.update_called:  # weight 0: joins the all-reduce without changing the mean
+                zero = torch.zeros((), dtype=torch.float32, device=device)
+                metric.update(zero, zero)
+            value = metric.compute()
+            metric.reset()
+            if torch.isnan(value):  # no rank had data
+                continue
+            log(name, value)
+            out[name] = float(value)
+        return out
+
+
+def agreed_names(names: set[str]) -> set[str]:
+    """The union of ``names`` over all ranks (one ``all_gather_object``; ``names`` alone on one process)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return set(names)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(names))
+    return set().union(*gathered)
