@@ -1,14 +1,16 @@
 """Advantages, KL estimators and reward shaping for RL post-training (pure PyTorch).
 
 Everything here turns rewards and log-probs into the per-sample or per-token numbers the policy
-losses of :mod:`lightning_rl.losses` consume; ``losses`` re-exports every public name, so
-``from lightning_rl.losses import group_advantages`` keeps working.
+losses of :mod:`lightning_rl.losses` consume (advantages, KL estimators, reward shaping, and importance
+weights correcting for the rollout engine's log-probs differing from the trainer's); ``losses``
+re-exports every public name, so ``from lightning_rl.losses import group_advantages`` keeps working.
 
 Shapes: ``[N]`` per sample (consecutive groups of ``group_size`` share a prompt), ``[B, T]`` per token.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Literal, get_args
 
@@ -19,6 +21,11 @@ from lightning_rl.checks import check_choice, check_shapes
 Tensor = torch.Tensor
 KLEstimator = Literal["k1", "k2", "k3"]
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
+RolloutISLevel = Literal["token", "sequence"]
+ROLLOUT_IS_LEVELS: tuple[str, ...] = get_args(RolloutISLevel)
+RolloutISMode = Literal["truncate", "mask"]
+ROLLOUT_IS_MODES: tuple[str, ...] = get_args(RolloutISMode)
+ROLLOUT_LOG_WEIGHT_MAX = 20.0  # exp(20) ~ 4.9e8: far above any sensible cap, far below float32's max
 
 # delta = ref_logp - logp, on tokens sampled from the policy whose log-prob is `logp`
 _KL_FROM_DELTA: dict[str, Callable[[Tensor], Tensor]] = {
@@ -71,6 +78,26 @@ def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-8, scale:
     if scale:
         centered = centered / (grouped.std(-1, keepdim=True) + eps)
     return centered.reshape(-1)
+
+
+def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    """RLOO (leave-one-out) advantages: ``A_i = r_i - (sum_g - r_i) / (G - 1)`` per consecutive group.
+
+    Each sample's baseline is the mean of the other ``G - 1`` rewards of its group, so it is independent of
+    the sample itself; ``A_i = G / (G - 1) * (r_i - mean_g)``. A group of equal rewards gets 0.
+
+    Args:
+        rewards: ``[N]``, ``N`` a multiple of ``group_size`` (>= 2); groups are consecutive.
+
+    Returns:
+        ``[N]`` advantages (floating point).
+    """
+    check_shapes("rewards", rewards, ndim=1)
+    _check_groups(rewards.shape[0], group_size)
+    grouped = rewards.reshape(-1, group_size)
+    grouped = grouped if grouped.is_floating_point() else grouped.float()
+    others = grouped.sum(-1, keepdim=True) - grouped
+    return (grouped - others / (group_size - 1)).reshape(-1)
 
 
 @torch.no_grad()
@@ -197,6 +224,47 @@ def whiten(x: Tensor, mask: Tensor, moments: Tensor | None = None, eps: float = 
     return torch.where(mask.bool(), out, torch.zeros_like(out))
 
 
+def reinforce_baseline_centered(rewards: Tensor, group_size: int, mask: Tensor) -> Tensor:
+    """REINFORCE++-baseline before whitening: ``x_it = r_i - mean_g`` on each valid token of row ``i``.
+
+    A distributed caller sums ``masked_moments(x, mask)`` over ranks and passes it to
+    :func:`reinforce_baseline_advantages` as ``moments``.
+
+    Args:
+        rewards: ``[B]`` sequence rewards in consecutive groups of ``group_size`` (>= 2, divides ``B``).
+        mask: ``[B, T]`` valid completion tokens (bool or 0/1).
+
+    Returns:
+        ``[B, T]`` float, 0 on invalid tokens.
+    """
+    check_shapes("mask", mask, ndim=2)
+    if rewards.shape != mask.shape[:1]:
+        raise ValueError(f"`rewards` has shape {tuple(rewards.shape)}, expected ({mask.shape[0]},)")
+    centered = group_advantages(rewards, group_size, scale=False)
+    return torch.where(mask.bool(), centered.unsqueeze(-1), 0.0)
+
+
+def reinforce_baseline_advantages(
+    rewards: Tensor, group_size: int, mask: Tensor, eps: float = 1e-8, *, moments: Tensor | None = None
+) -> Tensor:
+    """REINFORCE++-baseline advantages: ``(x - mean) / sqrt(var + eps)`` on valid tokens, 0 elsewhere.
+
+    ``x = r_i - mean_g`` broadcast over row ``i``'s valid tokens (:func:`reinforce_baseline_centered`);
+    ``mean`` and the Bessel-corrected ``var = (sum x^2 - n mean^2) / (n - 1)`` are over all ``n`` valid
+    tokens of the batch (so longer rows weigh more), as verl's ``masked_whiten``.
+
+    Args:
+        rewards: ``[B]``, consecutive groups of ``group_size``. mask: ``[B, T]``. eps: added to ``var``.
+        moments: ``[sum, sum of squares, count]`` of ``x`` over the global batch, i.e.
+            ``masked_moments(reinforce_baseline_centered(...), mask)`` summed over ranks; None uses this
+            batch's own.
+
+    Returns:
+        ``[B, T]`` float advantages.
+    """
+    return whiten(reinforce_baseline_centered(rewards, group_size, mask), mask, moments, eps)
+
+
 def explained_variance(residual_moments: Tensor, returns_moments: Tensor) -> Tensor:
     """``1 - Var(returns - values) / Var(returns)`` from the moments of the residual and of the returns
     (1: the critic predicts the returns; 0: no better than their mean; negative: worse)."""
@@ -215,3 +283,83 @@ def adaptive_kl_coef(coef: float, kl: float, target: float, n_steps: int, horizo
         raise ValueError(f"`kl_target` and `kl_horizon` must be > 0, got {target} and {horizon}")
     error = min(max(kl / target - 1.0, -0.2), 0.2)
     return coef * (1.0 + error * n_steps / horizon)
+
+
+# ---- rollout-engine correction: the sampler's log-probs differ from the trainer's (kernels, precision) ---
+def _rollout_log_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, level: str) -> Tensor:
+    """``log w`` per token (float32 or wider, not clamped), 0 on invalid tokens."""
+    check_shapes("old_logp", old_logp, ndim=2, rollout_logp=rollout_logp, mask=mask)
+    check_choice("level", level, ROLLOUT_IS_LEVELS)
+    mask = mask.bool()
+    dtype = torch.promote_types(old_logp.dtype, torch.float32)
+    # zeroed before any sum or exp: garbage (inf/NaN) on invalid tokens cannot leak
+    diff = torch.where(mask, old_logp.detach().to(dtype) - rollout_logp.detach().to(dtype), 0.0)
+    if level == "sequence":
+        diff = torch.where(mask, diff.sum(-1, keepdim=True), 0.0)
+    return diff
+
+
+@torch.no_grad()
+def rollout_is_weights(
+    old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, level: str = "token", mode: str = "truncate",
+    cap: float = 2.0,
+) -> Tensor:
+    """Importance weights from the rollout engine's policy to the trainer's, detached (TIS / MIS).
+
+    Token level ``w_it = exp(old_logp_it - rollout_logp_it)``; sequence level
+    ``w_i = exp(sum_t m_it (old_logp_it - rollout_logp_it))`` on every valid token of row ``i``.
+    ``truncate``: ``min(w, cap)``; ``mask``: ``w`` where ``w <= cap``, else 0 (the token, or the whole
+    row at sequence level, is dropped). The exponent is clamped at 20 before ``exp`` (no overflow); the
+    result is exact for any ``cap < e^20``.
+
+    Args:
+        old_logp: ``[B, T]`` trainer log-probs of the sampled tokens (behaviour policy, recomputed).
+        rollout_logp: ``[B, T]`` the sampler's log-probs of the same tokens. mask: ``[B, T]``.
+        level: ``token`` or ``sequence``. mode: ``truncate`` or ``mask``. cap: >= 1 (on-policy w = 1 stays).
+
+    Returns:
+        ``[B, T]`` float32 (float64 if the inputs are), no gradient, 0 on invalid tokens.
+    """
+    check_choice("mode", mode, ROLLOUT_IS_MODES)
+    if not cap >= 1.0:
+        raise ValueError(f"`cap` must be >= 1, got {cap}")
+    log_weight = _rollout_log_weights(old_logp, rollout_logp, mask, level)
+    weight = torch.exp(log_weight.clamp(max=ROLLOUT_LOG_WEIGHT_MAX))
+    weight = weight.clamp(max=cap) if mode == "truncate" else torch.where(weight <= cap, weight, 0.0)
+    return torch.where(mask.bool(), weight, 0.0)
+
+
+@torch.no_grad()
+def rollout_mismatch_stats(
+    old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, weights: Tensor, cap: float, *, level: str = "token"
+) -> dict[str, Tensor]:
+    """How far the rollout engine's log-probs are from the trainer's, over valid tokens (detached scalars).
+
+    * ``rollout/logp_diff_mean``: mean ``|old_logp - rollout_logp|``.
+    * ``rollout/mismatch_k3``: mean k3 estimate of KL(engine || trainer) from the engine's samples,
+      ``exp(d) - d - 1`` with ``d = old_logp - rollout_logp`` (``kl_penalty(rollout_logp, old_logp)``),
+      i.e. ``(w - 1) - log w`` of the token weight; >= 0, 0 when the two agree (``d`` clamped at 20).
+    * ``rollout/is_weight_mean``: mean of ``weights`` (as applied, after truncation or masking).
+    * ``rollout/is_clipped_frac``: fraction of tokens whose raw weight at ``level`` exceeded ``cap``.
+
+    Args:
+        old_logp, rollout_logp, mask, weights: ``[B, T]``; ``weights`` from :func:`rollout_is_weights`.
+        cap: the cap the weights were computed with. level: theirs (``token`` or ``sequence``).
+    """
+    check_shapes("old_logp", old_logp, ndim=2, rollout_logp=rollout_logp, mask=mask, weights=weights)
+    if not cap >= 1.0:
+        raise ValueError(f"`cap` must be >= 1, got {cap}")
+    mask = mask.bool()
+    token = _rollout_log_weights(old_logp, rollout_logp, mask, "token")
+    raw = token if level == "token" else _rollout_log_weights(old_logp, rollout_logp, mask, level)
+    count, zero = mask.sum().clamp_min(1), torch.zeros_like(token)
+
+    def mean(x: Tensor) -> Tensor:
+        return torch.where(mask, x.to(token.dtype), 0.0).sum() / count
+
+    return {
+        "rollout/logp_diff_mean": mean(token.abs()),
+        "rollout/mismatch_k3": mean(kl_penalty(zero, token.clamp(max=ROLLOUT_LOG_WEIGHT_MAX), "k3")),
+        "rollout/is_weight_mean": mean(weights.detach()),
+        "rollout/is_clipped_frac": mean(raw > math.log(cap)),
+    }

@@ -6,21 +6,27 @@ completion tokens under the current / behaviour / reference policy; ``mask`` is 
 ``(loss, metrics)``: a differentiable scalar to minimise and a dict of detached scalar tensors.
 
 One implementation of every policy objective: :func:`policy_loss`, a point on four axes, each a
-registry in this file: the ratio level (:data:`RATIO_LEVELS`), the trust region
-(:data:`TRUST_REGIONS`), the aggregation (:data:`AGGREGATORS`) and a KL-to-reference term
+registry: the ratio level (:data:`RATIO_LEVELS`, here), the trust region (:data:`TRUST_REGIONS`, in
+:mod:`lightning_rl.trust_regions`), the aggregation (:data:`AGGREGATORS`) and a KL-to-reference term
 (:func:`~lightning_rl.advantages.kl_penalty`). The contract losses (``ppo_policy_loss``, ``grpo_loss``,
 ``gspo_loss``, ``dapo_loss``, ``sapo_loss``) are thin presets of it, and training reaches it through
-:class:`lightning_rl.objective.Objective`. To add a trust region, write its per-token function here and
-register it in ``TRUST_REGIONS`` (the maths; its keyword arguments become its options), then add those
-options as fields of ``Objective`` / keys of ``OnlineRL`` (the config). An aggregation: a function in
-``AGGREGATORS`` and its name in :data:`Aggregation`.
+:class:`lightning_rl.objective.Objective`.
+
+To add a trust region: write a function in :mod:`lightning_rl.trust_regions` that takes the common
+inputs as keywords, ``logp``, ``log_ratio``, ``adv``, ``mask`` (all ``[B, T]``; ``logp`` differentiable
+and 0 on invalid tokens, ``mask`` bool), plus its options, and returns a :class:`Surrogate`; register it
+in ``TRUST_REGIONS`` and name it in :data:`TrustRegion`. Its parameters other than the common inputs are
+its options (:func:`trust_region_options`): add them as fields of ``Objective`` / keys of ``OnlineRL``
+(the config), which refuses a non-default option the chosen region does not take. An aggregation: a
+function in ``AGGREGATORS`` and its name in :data:`Aggregation`.
 
 Metrics are means over what one ratio stands for (tokens, or GSPO's sequences); ``policy/approx_kl`` is
 k3 of the ratio, ``mean((r - 1) - log r)``: KL(pi_old || pi_theta), >= 0, lower variance than k1.
 ``num_tokens`` / ``num_seqs`` are the whole minibatch's normalisers (micro-batching, see
-:mod:`lightning_rl.aggregation`). Padded log-ratios are zeroed before ``exp``, so garbage (even inf/NaN)
-there cannot reach the loss or its gradient. :mod:`lightning_rl.advantages` (advantages, KL estimators,
-shaping) and :mod:`lightning_rl.preference_losses` (DPO) are re-exported here.
+:mod:`lightning_rl.aggregation`). Padded log-ratios and log-probs are zeroed before any trust region sees
+them, so garbage (even inf/NaN) there cannot reach the loss or its gradient. :mod:`lightning_rl.advantages`
+(advantages, KL estimators, shaping, rollout-engine importance weights), :mod:`lightning_rl.trust_regions`
+and :mod:`lightning_rl.preference_losses` (DPO) are re-exported here.
 """
 
 from __future__ import annotations
@@ -32,7 +38,11 @@ import torch
 
 from lightning_rl.advantages import (
     KL_ESTIMATORS,
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_IS_MODES,
     KLEstimator,
+    RolloutISLevel,
+    RolloutISMode,
     adaptive_kl_coef,
     dapo_group_keep,
     explained_variance,
@@ -42,6 +52,11 @@ from lightning_rl.advantages import (
     masked_moments,
     moments_mean_var,
     overlong_penalty,
+    reinforce_baseline_advantages,
+    reinforce_baseline_centered,
+    rloo_advantages,
+    rollout_is_weights,
+    rollout_mismatch_stats,
     token_rewards,
     whiten,
 )
@@ -56,6 +71,17 @@ from lightning_rl.aggregation import (
 )
 from lightning_rl.checks import check_choice, check_range, check_shapes
 from lightning_rl.preference_losses import DPO_LOSS_TYPES, DPOLossType, dpo_loss, reward_model_loss
+from lightning_rl.trust_regions import (
+    SAPO_LOG_RATIO_CLAMP,
+    TRUST_REGION_INPUTS,
+    TRUST_REGIONS,
+    Surrogate,
+    TrustRegion,
+    cispo_surrogate,
+    clipped_surrogate,
+    soft_gate_surrogate,
+    trust_region_options,
+)
 
 __all__ = [
     "AGGREGATIONS", "AGGREGATORS", "DPO_LOSS_TYPES", "DPOLossType", "KL_ESTIMATORS", "RATIO_LEVELS",
@@ -65,13 +91,14 @@ __all__ = [
     "masked_mean", "normalizer_counts", "overlong_penalty", "policy_loss", "ppo_policy_loss",
     "reward_model_loss", "sapo_loss", "sequence_log_ratio", "soft_gate_surrogate", "token_log_ratio",
     "value_loss", "adaptive_kl_coef", "explained_variance", "masked_moments", "moments_mean_var",
-    "token_rewards", "whiten",
+    "token_rewards", "whiten", "SAPO_LOG_RATIO_CLAMP", "TRUST_REGION_INPUTS", "cispo_surrogate",
+    "trust_region_options", "reinforce_baseline_advantages", "reinforce_baseline_centered", "rloo_advantages",
+    "rollout_is_weights", "rollout_mismatch_stats", "ROLLOUT_IS_LEVELS", "ROLLOUT_IS_MODES", "RolloutISLevel",
+    "RolloutISMode",
 ]
 
 Tensor = torch.Tensor
 RatioLevel = Literal["token", "sequence"]
-TrustRegion = Literal["clip", "soft_gate"]
-SAPO_LOG_RATIO_CLAMP = 20.0
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -132,72 +159,20 @@ RATIO_LEVELS: dict[str, _RatioLevel] = {
 }
 
 
-# --------------------------------------------------------------------------------------- trust regions
-class Surrogate(NamedTuple):
-    """Per-token result of a trust region: ``loss`` to minimise, the ``ratio``, and ``stats`` (per-token
-    values logged as ``policy/<name>`` means, e.g. clip indicators)."""
-
-    loss: Tensor
-    ratio: Tensor
-    stats: dict[str, Tensor]
-
-
-def clipped_surrogate(
-    log_ratio: Tensor,
-    adv: Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    clip_ratio_c: float | None = None,
-) -> Surrogate:
-    """PPO clip ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``; dual clip caps it at ``-c A``
-    for A < 0.
-
-    Args:
-        log_ratio, adv: ``[B, T]``. clip_low: in (0, 1). clip_high: > 0. clip_ratio_c: > 1 or None (off).
-    """
-    check_range("clip_low", clip_low, high=1.0)
-    check_range("clip_high", clip_high)
-    ratio = torch.exp(log_ratio)
-    low = (ratio < 1.0 - clip_low) & (adv < 0)
-    high = (ratio > 1.0 + clip_high) & (adv > 0)
-    clipped = low | high  # exactly where the clipped term is the larger (active) loss
-    loss = torch.where(clipped, -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high), -adv * ratio)
-    stats = {"clip_frac": clipped, "clip_frac_low": low, "clip_frac_high": high}
-    if clip_ratio_c is not None:
-        check_range("clip_ratio_c", clip_ratio_c, low=1.0)
-        # for A < 0 cap the loss at -A c, so a huge ratio on a bad token cannot blow up the step
-        dual = (adv < 0) & (loss > -adv * clip_ratio_c)
-        loss = torch.where(dual, -adv * clip_ratio_c, loss)
-        stats["clip_frac_dual"] = dual
-    return Surrogate(loss, ratio, stats)
-
-
-def soft_gate_surrogate(
-    log_ratio: Tensor, adv: Tensor, tau_pos: float = 1.0, tau_neg: float = 1.05
-) -> Surrogate:
-    """SAPO soft gate: ``-f(r) A`` with ``f(r) = 4 / tau * sigmoid(tau (r - 1))``, ``tau = tau_pos if A > 0
-    else tau_neg``.
-
-    ``d f / d log r = w r`` with gate weight ``w = 4 sigmoid(tau (r-1)) (1 - sigmoid(tau (r-1)))``
-    (1 at r = 1, logged as ``gate_weight_mean``): the plain policy gradient on-policy, fading smoothly
-    off-policy. The log-ratio is clamped to [-20, 20] before ``exp`` so an extreme token cannot overflow
-    (its gradient is then 0).
-    """
-    check_range("tau_pos", tau_pos)
-    check_range("tau_neg", tau_neg)
-    ratio = torch.exp(log_ratio.clamp(-SAPO_LOG_RATIO_CLAMP, SAPO_LOG_RATIO_CLAMP))
-    tau = torch.where(adv > 0, ratio.new_tensor(tau_pos), ratio.new_tensor(tau_neg))
-    gate = torch.sigmoid(tau * (ratio - 1.0))
-    return Surrogate(-4.0 / tau * gate * adv, ratio, {"gate_weight_mean": 4.0 * gate * (1.0 - gate)})
-
-
-TRUST_REGIONS: dict[str, Callable[..., Surrogate]] = {
-    "clip": clipped_surrogate,
-    "soft_gate": soft_gate_surrogate,
-}
-
-
 # ---------------------------------------------------------------------------------------- policy loss
+def _trust_region(
+    name: str, args: Mapping[str, Any] | None, logp: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor
+) -> Surrogate:
+    """Call trust region ``name`` by the protocol of :mod:`lightning_rl.trust_regions` (common inputs as
+    keywords, then its options), refusing options it does not take."""
+    args = dict(args or {})
+    unknown = sorted(set(args) - set(trust_region_options(name)))
+    if unknown:
+        raise ValueError(f"`trust_region_args` {unknown} are not options of trust region {name!r}; "
+                         f"expected some of {trust_region_options(name)}")
+    return TRUST_REGIONS[name](logp=logp, log_ratio=log_ratio, adv=adv, mask=mask, **args)
+
+
 def policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -214,7 +189,7 @@ def policy_loss(
     num_tokens: Count = None,
     num_seqs: Count = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Every policy objective: ``aggregate(surrogate(log r, A) + kl_coef * KL(pi || pi_ref))``.
+    """Every policy objective: ``aggregate(surrogate(logp, log r, A, mask) + kl_coef * KL(pi || pi_ref))``.
 
     Args:
         logp, old_logp, mask: ``[B, T]``. advantages: ``[B]`` or ``[B, T]``.
@@ -222,7 +197,8 @@ def policy_loss(
             ``kl_coef == 0``, the KL is only logged.
         ratio_level: a key of :data:`RATIO_LEVELS` (``token``, or ``sequence``: GSPO's length-normalised
             ratio, which takes each row's mean advantage).
-        trust_region: a key of :data:`TRUST_REGIONS`; ``trust_region_args`` its keyword arguments.
+        trust_region: a key of :data:`TRUST_REGIONS`; ``trust_region_args`` its options (a subset of
+            :func:`trust_region_options`).
         aggregation: one of :data:`AGGREGATIONS`. kl_coef: >= 0. kl_estimator: one of ``KL_ESTIMATORS``.
         num_tokens, num_seqs: whole-minibatch normalisers (see :func:`aggregate`).
 
@@ -245,7 +221,8 @@ def policy_loss(
     level = RATIO_LEVELS[ratio_level]
     adv = level.advantages(broadcast_advantages(advantages, logp), mask)
     log_ratio = level.log_ratio(logp, old_logp, mask)
-    surrogate = TRUST_REGIONS[trust_region](log_ratio, adv, **(trust_region_args or {}))
+    valid_logp = torch.where(mask, logp, 0.0)  # a region that reads logp (CISPO) never sees padding garbage
+    surrogate = _trust_region(trust_region, trust_region_args, valid_logp, log_ratio, adv, mask)
     per_token = surrogate.loss
     with torch.no_grad():
 

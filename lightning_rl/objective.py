@@ -4,13 +4,13 @@
 KL to the reference) and calls :func:`lightning_rl.losses.policy_loss`, the one implementation that
 the contract losses (``grpo_loss``, ``gspo_loss``, ...) are presets of too. Here only the config lives:
 choices, ranges, and combinations that cannot go together fail at construction, naming the YAML key.
-A new trust region's options become fields here (its maths goes in ``losses.TRUST_REGIONS``).
+A new trust region's options become fields here (its maths goes in :mod:`lightning_rl.trust_regions`);
+an option the chosen trust region does not take must stay at its default, or construction fails.
 """
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from lightning_rl.losses import (
     RatioLevel,
     TrustRegion,
     policy_loss,
+    trust_region_options,
 )
 
 Tensor = torch.Tensor
@@ -37,10 +38,15 @@ class Objective:
     Args:
         ratio_level: ``token`` (PPO, GRPO, DAPO, SAPO) or ``sequence`` (GSPO).
         trust_region: ``clip`` (PPO clip on ``[1 - clip_low, 1 + clip_high]``, dual clip with
-            ``clip_ratio_c``) or ``soft_gate`` (SAPO with ``tau_pos`` / ``tau_neg``).
-        clip_low, clip_high: clip range (``clip`` only).
+            ``clip_ratio_c``), ``soft_gate`` (SAPO with ``tau_pos`` / ``tau_neg``) or ``cispo``
+            (MiniMax-M1: ``-sg(min(r, 1 + clip_high)) A logp``; with ``ratio_level: sequence`` the capped
+            weight is GSPO's sequence ratio).
+        clip_low: lower clip range (``clip`` only).
+        clip_high: upper clip range (``clip``), or the cap ``1 + clip_high`` on the weight (``cispo``).
         clip_ratio_c: dual-clip constant > 1, or ``None`` (``clip`` only).
-        tau_pos, tau_neg: SAPO gate temperatures for positive / negative advantages (``soft_gate`` only).
+        tau_pos, tau_neg: SAPO gate temperatures for positive / negative advantages (``soft_gate`` only);
+            like every option the chosen trust region does not take, they must keep their defaults
+            (clip_low 0.2, clip_high 0.2, clip_ratio_c None, tau_pos 1.0, tau_neg 1.05) or construction fails.
         aggregation: one of ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum``.
         kl_coef: coefficient of the KL-to-reference penalty in the loss (0: off, no reference needed).
         kl_estimator: ``k1``, ``k2`` or ``k3``.
@@ -74,14 +80,23 @@ class Objective:
                 raise ValueError(f"`model.{key}` must be > 0, got {getattr(self, key)}")
         if self.clip_low >= 1:
             raise ValueError(f"`model.clip_low` must be < 1, got {self.clip_low}")
-        if self.clip_ratio_c is not None:
-            if "clip_ratio_c" not in self.trust_region_args:
-                raise ValueError(f"`model.clip_ratio_c` (dual clip) needs `model.trust_region: clip`, "
-                                 f"not {self.trust_region!r}")
-            if self.clip_ratio_c <= 1:
-                raise ValueError(f"`model.clip_ratio_c` must be > 1, got {self.clip_ratio_c}")
+        self._refuse_unused_options()
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
+            raise ValueError(f"`model.clip_ratio_c` must be > 1, got {self.clip_ratio_c}")
         if self.kl_coef < 0:
             raise ValueError(f"`model.kl_coef` must be >= 0, got {self.kl_coef}")
+
+    def _refuse_unused_options(self) -> None:
+        """An option of another trust region set away from its default would be ignored silently: refuse."""
+        used = trust_region_options(self.trust_region)
+        defaults = {f.name: f.default for f in fields(self) if f.default is not MISSING}
+        for key in sorted({opt for name in TRUST_REGIONS for opt in trust_region_options(name)} - set(used)):
+            if key in defaults and getattr(self, key) != defaults[key]:
+                raise ValueError(
+                    f"`model.{key}` has no effect under `model.trust_region: {self.trust_region}` (its "
+                    f"options are {used}); leave it at its default {defaults[key]!r}, "
+                    f"got {getattr(self, key)!r}"
+                )
 
     @property
     def needs_reference(self) -> bool:
@@ -89,9 +104,8 @@ class Objective:
 
     @property
     def trust_region_args(self) -> dict[str, Any]:
-        """The options of the chosen trust region: the keyword arguments its function in losses takes."""
-        params = list(inspect.signature(TRUST_REGIONS[self.trust_region]).parameters)[2:]
-        return {name: getattr(self, name) for name in params}
+        """The chosen trust region's options (its parameters after the common inputs), from the fields."""
+        return {name: getattr(self, name) for name in trust_region_options(self.trust_region)}
 
     def __call__(
         self,

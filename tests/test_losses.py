@@ -562,6 +562,156 @@ def test_micro_batch_local_counts_differ_without_normalizers():
     assert not torch.isclose(parts, full)
 
 
+# ----------------------------------------------------------------------- trust-region protocol, CISPO
+def test_trust_region_registry_and_options():
+    from typing import get_args
+
+    assert set(get_args(L.TrustRegion)) == set(L.TRUST_REGIONS)
+    assert L.TRUST_REGION_INPUTS == ("logp", "log_ratio", "adv", "mask")
+    assert L.trust_region_options("clip") == ("clip_low", "clip_high", "clip_ratio_c")
+    assert L.trust_region_options("soft_gate") == ("tau_pos", "tau_neg")
+    assert L.trust_region_options("cispo") == ("clip_high",)
+    with pytest.raises(ValueError, match="trust_region"):
+        L.trust_region_options("trpo")
+
+
+def test_every_trust_region_takes_the_common_inputs_as_keywords():
+    torch.manual_seed(0)
+    logp, log_ratio, adv = (torch.randn(2, 3, dtype=F64) * 0.3 for _ in range(3))
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    for name, fn in L.TRUST_REGIONS.items():
+        out = fn(logp=logp, log_ratio=log_ratio, adv=adv, mask=mask)
+        assert isinstance(out, L.Surrogate) and out.loss.shape == (2, 3), name
+    # the existing regions keep their positional (log_ratio, adv, options...) form for direct callers
+    positional = L.clipped_surrogate(log_ratio, adv, 0.2, 0.28)
+    keywords = L.TRUST_REGIONS["clip"](logp=logp, log_ratio=log_ratio, adv=adv, mask=mask, clip_high=0.28)
+    torch.testing.assert_close(positional.loss, keywords.loss)
+    gate = L.TRUST_REGIONS["soft_gate"](logp=logp, log_ratio=log_ratio, adv=adv, mask=mask, tau_neg=2.0)
+    torch.testing.assert_close(L.soft_gate_surrogate(log_ratio, adv, 1.0, 2.0).loss, gate.loss)
+
+
+def test_a_batch_statistic_trust_region_gets_logp_and_mask(monkeypatch):
+    # a Clip-Cov-like region: the covariance of logp and A over valid tokens decides which tokens it keeps
+    seen = {}
+
+    def cov_region(*, logp, log_ratio, adv, mask, k=1.0):
+        seen.update(logp=logp.detach().clone(), mask=mask, k=k)
+        n = mask.sum()
+        centered = torch.where(mask, logp - logp.sum() / n, 0.0) * torch.where(mask, adv - adv.sum() / n, 0.0)
+        keep = centered.detach() <= k * centered.detach().sum() / n
+        return L.Surrogate(-torch.where(keep, torch.exp(log_ratio), 0.0) * adv, torch.exp(log_ratio), {})
+
+    monkeypatch.setitem(L.TRUST_REGIONS, "cov", cov_region)
+    assert L.trust_region_options("cov") == ("k",)
+    logp = t([[-1.0, -2.0, math.nan], [-0.5, -1.5, -3.0]], grad=True)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    loss, _ = L.policy_loss(logp, logp.detach(), None, t([1.0, -1.0]), mask, trust_region="cov",
+                            trust_region_args={"k": 0.5})
+    assert torch.isfinite(loss) and seen["k"] == 0.5 and seen["mask"].dtype == torch.bool
+    close(seen["logp"], [[-1.0, -2.0, 0.0], [-0.5, -1.5, -3.0]])  # padding zeroed before the region
+
+
+# CISPO on a [2, 3] batch, clip_high = 0.28 (cap 1.28). log r: row 0 [0, ln 2, -ln 2], row 1 [0, ln 1.5, pad];
+# r = [1, 2, 0.5], [1, 1.5]; weights sg(min(r, 1.28)) = [1, 1.28, 0.5], [1, 1.28]; A = [1, -2] per row;
+# logp = [-1, -2, -0.5], [-0.5, -1, NaN (padding)].
+# per token -w A logp: row 0: -1*1*(-1) = 1, -1.28*1*(-2) = 2.56, -0.5*1*(-0.5) = 0.25 (sum 3.81);
+# row 1: -1*(-2)*(-0.5) = -1, -1.28*(-2)*(-1) = -2.56 (sum -3.56).
+# token-mean (3.81 - 3.56) / 5 = 0.05; seq-mean-token-mean (3.81/3 - 3.56/2) / 2 = (1.27 - 1.78) / 2 = -0.255
+# gradient (token-mean) -w A / 5: [-0.2, -0.256, -0.1], [0.4, 0.512, 0]
+def _cispo_case():
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    logp = t([[-1.0, -2.0, -0.5], [-0.5, -1.0, math.nan]], grad=True)
+    log_r = t([[0.0, math.log(2.0), -math.log(2.0)], [0.0, math.log(1.5), 0.0]])
+    old = (logp.detach() - log_r).masked_fill(~mask, math.inf)
+    return logp, old, t([1.0, -2.0]), mask
+
+
+def test_cispo_hand_values_and_gradient():
+    logp, old, adv, mask = _cispo_case()
+    cispo = {"trust_region": "cispo", "trust_region_args": {"clip_high": 0.28}}
+    loss, m = L.policy_loss(logp, old, None, adv, mask, aggregation="token-mean", **cispo)
+    close(loss, 0.05)
+    loss.backward()
+    close(logp.grad, [[-0.2, -0.256, -0.1], [0.4, 0.512, 0.0]])
+    close(m["policy/clip_frac"], 0.4)  # r = 2 and r = 1.5 exceed 1.28, whatever the sign of A
+    close(m["policy/clip_frac_high"], 0.4)
+    close(m["policy/ratio_mean"], 1.2)  # (1 + 2 + 0.5 + 1 + 1.5) / 5
+    # k3 = r - 1 - log r: 0 + (1 - ln 2) + (-0.5 + ln 2) + 0 + (0.5 - ln 1.5) = 0.594535; / 5
+    close(m["policy/approx_kl"], 0.118907)
+    assert all(not v.requires_grad and v.dim() == 0 for v in m.values())
+    seq_loss, _ = L.policy_loss(logp, old, None, adv, mask, aggregation="seq-mean-token-mean", **cispo)
+    close(seq_loss, -0.255)
+
+
+def test_cispo_with_sequence_ratio_weights_each_row_by_its_capped_sequence_ratio():
+    # mean log r: row 0 (0 + ln 2 - ln 2) / 3 = 0 -> s = 1; row 1 ln 1.5 / 2 -> s = sqrt(1.5) = 1.224745,
+    # capped at 1.2 (clip_high 0.2). -w A sum(logp): row 0 -1*1*(-3.5) = 3.5; row 1 -1.2*(-2)*(-1.5) = -3.6;
+    # token-mean (3.5 - 3.6) / 5 = -0.02; gradient -w A / 5: row 0 -0.2, row 1 2.4 / 5 = 0.48
+    logp, old, adv, mask = _cispo_case()
+    loss, m = L.policy_loss(logp, old, None, adv, mask, ratio_level="sequence", trust_region="cispo",
+                            trust_region_args={"clip_high": 0.2}, aggregation="token-mean")
+    close(loss, -0.02)
+    loss.backward()
+    close(logp.grad, [[-0.2, -0.2, -0.2], [0.48, 0.48, 0.0]])
+    close(m["policy/clip_frac"], 0.5)  # a mean over sequences: row 1 of 2
+    close(m["policy/ratio_mean"], (1.0 + math.sqrt(1.5)) / 2)
+
+
+def _verl_cispo(old_log_prob, log_prob, advantages, response_mask, clip_ratio_high):
+    # verl's compute_policy_loss_cispo without a lower clip, loss_agg_mode="token-mean" (our own re-write)
+    ratio = torch.exp(log_prob - old_log_prob)
+    clipped = torch.clamp(ratio, max=1.0 + clip_ratio_high).detach()
+    pg_losses = -advantages * clipped * log_prob
+    return (pg_losses * response_mask).sum() / response_mask.sum()
+
+
+def _trl_cispo(per_token_logps, old_per_token_logps, advantages, completion_mask, epsilon_high):
+    # TRL GRPOTrainer loss_type="cispo": epsilon_high is the cap itself; normalised by the total token count
+    coef_1 = torch.exp(per_token_logps - old_per_token_logps)
+    clamped = torch.clamp(coef_1, max=epsilon_high).detach()
+    per_token_loss = -clamped * advantages.unsqueeze(1) * per_token_logps
+    return (per_token_loss * completion_mask).sum() / completion_mask.sum()
+
+
+def test_cispo_matches_verl_and_trl():
+    from lightning_rl.objective import Objective
+
+    torch.manual_seed(0)
+    logp = (torch.randn(4, 6, dtype=F64) - 1.0).requires_grad_()
+    old = logp.detach() + 0.4 * torch.randn(4, 6, dtype=F64)  # ratios well on both sides of the cap
+    adv = torch.randn(4, dtype=F64)
+    mask = torch.rand(4, 6) > 0.3
+    mask[:, 0] = True
+    m = mask.to(F64)
+    ours = Objective(trust_region="cispo", clip_high=0.28, aggregation="token-mean")
+    loss, grad = ([] for _ in range(2))
+    for fn in (lambda x: ours(x, old, None, adv, mask)[0],
+               lambda x: _verl_cispo(old, x, adv[:, None].expand(4, 6), m, 0.28),
+               lambda x: _trl_cispo(x, old, adv, m, 1.28)):
+        x = logp.detach().clone().requires_grad_()
+        value = fn(x)
+        value.backward()
+        loss.append(value.detach())
+        grad.append(x.grad)
+    assert (torch.exp(logp - old)[mask] > 1.28).any() and (torch.exp(logp - old)[mask] < 1.0).any()
+    for value, g in zip(loss[1:], grad[1:], strict=True):
+        torch.testing.assert_close(loss[0], value)
+        torch.testing.assert_close(grad[0], g)
+
+
+@pytest.mark.parametrize("mode", L.AGGREGATIONS)
+def test_cispo_on_policy_gradient_is_the_policy_gradient(mode):
+    # r = 1: the weight is 1, so the gradient is -A grad logp aggregated: PPO's on-policy gradient
+    torch.manual_seed(1)
+    logp, adv = torch.randn(3, 4, dtype=F64).requires_grad_(), torch.randn(3, dtype=F64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]]).bool()
+    cispo, _ = L.policy_loss(logp, logp.detach(), None, adv, mask, trust_region="cispo", aggregation=mode)
+    ppo, _ = L.policy_loss(logp, logp.detach(), None, adv, mask, aggregation=mode)
+    g_cispo, = torch.autograd.grad(cispo, logp)
+    g_ppo, = torch.autograd.grad(ppo, logp)
+    torch.testing.assert_close(g_cispo, g_ppo)
+
+
 # ------------------------------------------------------------------------------------------ validation
 def _ok():
     return torch.zeros(2, 3, dtype=F64), torch.zeros(2, 3, dtype=F64), t([1.0, -1.0]), torch.ones(2, 3)
@@ -605,6 +755,17 @@ def _ok():
         (lambda lp, o, a, m: L.gae_advantages(lp, o[:1], m), "`values` has shape"),
         (lambda lp, o, a, m: L.gae_advantages(lp, o, m, gamma=1.5), "`gamma`"),
         (lambda lp, o, a, m: L.gae_advantages(lp, o, m, lam=-0.1), "`lam`"),
+        (lambda lp, o, a, m: L.policy_loss(lp, o, None, a, m, trust_region="trpo"), "`trust_region`"),
+        (
+            lambda lp, o, a, m: L.policy_loss(lp, o, None, a, m, trust_region="cispo",
+                                              trust_region_args={"clip_high": 0.0}),
+            "`clip_high` must be",
+        ),
+        (
+            lambda lp, o, a, m: L.policy_loss(lp, o, None, a, m, trust_region="cispo",
+                                              trust_region_args={"clip_low": 0.2}),
+            r"`trust_region_args` \['clip_low'\] are not options of trust region 'cispo'",
+        ),
     ],
 )
 def test_policy_validation_errors(call, match):

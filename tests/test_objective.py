@@ -61,6 +61,14 @@ def naive_gspo(logp, old, adv, mask, low, high):
     return -torch.stack(terms).mean()
 
 
+def naive_cispo(logp, old, adv, mask, high, mode):
+    """-aggregate(sg(min(r, 1 + high)) A logp): the capped ratio is a detached weight on REINFORCE."""
+    r = torch.exp(torch.where(mask, logp - old, 0.0))
+    a = adv[:, None].expand_as(logp)
+    weight = torch.clamp(r, max=1 + high).detach()
+    return naive_aggregate(-weight * a * torch.where(mask, logp, 0.0), mask, mode)
+
+
 # ---------------------------------------------------------------------------------------------- data
 def batch(seed: int = 0):
     """B=6, T=9, float64: ratios spread around 1 (some tokens clipped on both sides), row 2 fully
@@ -305,6 +313,32 @@ def test_sapo_hand_value_on_policy():
     assert metrics["policy/gate_weight_mean"].item() == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("mode", AGGS)
+def test_cispo_objective_equals_policy_loss_and_naive(mode):
+    logp, old, _, adv, mask = batch()
+    obj = Objective(trust_region="cispo", clip_high=0.28, aggregation=mode)
+    assert obj.trust_region_args == {"clip_high": 0.28}
+    r = torch.exp(logp - old)
+    assert ((r > 1.28) & mask).any() and ((r < 1.28) & mask).any()  # capped and uncapped tokens
+    assert_same([
+        lambda x: obj(x, old, None, adv, mask)[0],
+        lambda x: L.policy_loss(x, old, None, adv, mask, trust_region="cispo",
+                                trust_region_args={"clip_high": 0.28}, aggregation=mode)[0],
+        lambda x: naive_cispo(x, old, adv, mask, 0.28, mode),
+    ], logp)
+    _, metrics = obj(logp, old, None, adv, mask)
+    capped = ((r > 1.28) & mask).sum() / mask.sum()
+    torch.testing.assert_close(metrics["policy/clip_frac"], capped.to(F64))
+    torch.testing.assert_close(metrics["policy/clip_frac_high"], metrics["policy/clip_frac"])
+
+
+def test_cispo_with_sequence_ratio_runs():
+    logp, old, adv, mask = gspo_batch()
+    obj = Objective(ratio_level="sequence", trust_region="cispo", clip_high=4e-4)
+    loss, grad = value_and_grad(lambda x: obj(x, old, None, adv, mask)[0], logp)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
 # --------------------------------------------------------------------------------------- combinations
 def test_sequence_ratio_with_token_mean_runs_and_has_finite_gradient():
     logp, old, adv, mask = gspo_batch()
@@ -332,6 +366,7 @@ def test_sequence_ratio_with_soft_gate_runs():
     dict(clip_high=0.28, aggregation="token-mean"),
     dict(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4),
     dict(trust_region="soft_gate"),
+    dict(trust_region="cispo", clip_high=0.28),
 ])
 def test_garbage_in_padding_does_not_leak(preset):
     logp, old, ref, adv, mask = batch()
@@ -363,10 +398,11 @@ def test_kl_estimators_in_loss(est):
     torch.testing.assert_close(loss - base, 0.5 * naive_aggregate(kl, mask, "seq-mean-token-mean"))
 
 
-def test_micro_batch_normalizers_make_objective_split_invariant():
+@pytest.mark.parametrize("trust_region", ["clip", "cispo"])
+def test_micro_batch_normalizers_make_objective_split_invariant(trust_region):
     logp, old, ref, adv, mask = batch()
     for mode in AGGS:
-        obj = Objective(clip_high=0.28, kl_coef=0.1, aggregation=mode)
+        obj = Objective(trust_region=trust_region, clip_high=0.28, kl_coef=0.1, aggregation=mode)
         whole, whole_grad = value_and_grad(lambda x, obj=obj: obj(x, old, ref, adv, mask)[0], logp)
         n_tok, n_seq = L.normalizer_counts(mask)
 
@@ -394,10 +430,36 @@ def test_micro_batch_normalizers_make_objective_split_invariant():
     (dict(clip_high=-0.1), "clip_high"),
     (dict(tau_pos=0.0), "tau_pos"),
     (dict(tau_neg=-1.0), "tau_neg"),
+    (dict(trust_region="cispo", clip_ratio_c=3.0), "clip_ratio_c"),
+    # an option the chosen trust region does not take would be ignored silently: refused unless at its default
+    (dict(trust_region="cispo", clip_low=0.3), "clip_low"),
+    (dict(trust_region="cispo", tau_pos=2.0), "tau_pos"),
+    (dict(trust_region="soft_gate", clip_low=0.1), "clip_low"),
+    (dict(trust_region="soft_gate", clip_high=0.28), "clip_high"),
+    (dict(trust_region="clip", tau_pos=2.0), "tau_pos"),
+    (dict(trust_region="clip", tau_neg=1.2), "tau_neg"),
+    (dict(trust_region="cispo", clip_high=0.0), "clip_high"),
 ])
 def test_invalid_combinations_name_the_key(kwargs, key):
     with pytest.raises(ValueError, match=f"model.{key}"):
         Objective(**kwargs)
+
+
+def test_unused_option_message_names_the_trust_region():
+    with pytest.raises(ValueError, match=r"`model.clip_low` has no effect under `model.trust_region: cispo`"):
+        Objective(trust_region="cispo", clip_low=0.3)
+
+
+@pytest.mark.parametrize("kwargs", [
+    # options of another trust region at their dataclass defaults (0.2, 0.2, None, 1.0, 1.05) are accepted,
+    # as SAPO's preset passes them with soft_gate
+    dict(trust_region="soft_gate", clip_low=0.2, clip_high=0.2, clip_ratio_c=None, tau_pos=1.5),
+    dict(trust_region="cispo", clip_low=0.2, clip_high=0.28, tau_pos=1.0, tau_neg=1.05),
+    dict(trust_region="clip", clip_low=0.1, clip_high=0.3, clip_ratio_c=3.0, tau_pos=1.0, tau_neg=1.05),
+])
+def test_other_regions_options_at_their_defaults_are_accepted(kwargs):
+    obj = Objective(**kwargs)
+    assert set(obj.trust_region_args) == set(L.trust_region_options(kwargs["trust_region"]))
 
 
 def test_kl_on_without_reference_at_call_names_kl_coef():
@@ -424,4 +486,9 @@ def test_algorithm_presets_build_these_objectives():
                                                  tau_neg=1.05, aggregation="seq-mean-token-mean")
     # the composed axes stay open on every preset
     assert SAPO(**common, aggregation="token-mean").objective.aggregation == "token-mean"
-    assert GSPO(**common, trust_region="soft_gate").objective.ratio_level == "sequence"
+    # GSPO's clip range does not apply to the soft gate: it must be reset, not dropped silently
+    gated = GSPO(**common, trust_region="soft_gate", clip_low=0.2, clip_high=0.2)
+    assert gated.objective.ratio_level == "sequence"
+    with pytest.raises(ValueError, match="has no effect under `model.trust_region: soft_gate`"):
+        GSPO(**common, trust_region="soft_gate")
+    assert DAPO(**common, trust_region="cispo").objective.trust_region_args == {"clip_high": 0.28}

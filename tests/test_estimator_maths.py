@@ -1,0 +1,214 @@
+"""Tests for the estimators added to lightning_rl.advantages (RLOO, REINFORCE++-baseline, rollout-engine
+importance weights and mismatch stats): hand-worked values (arithmetic in the comments), the global-moments
+form, garbage on invalid tokens, detachment and every validation error."""
+
+import math
+
+import pytest
+import torch
+
+from lightning_rl import losses as L
+
+F64 = torch.float64
+
+
+def t(x, dtype=F64, grad=False):
+    return torch.tensor(x, dtype=dtype, requires_grad=grad)
+
+
+def close(actual, expected, atol=1e-6):
+    torch.testing.assert_close(torch.as_tensor(actual, dtype=F64), t(expected), atol=atol, rtol=0)
+
+
+def lengths_mask(lengths, width):
+    return torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+
+
+# ------------------------------------------------------------------------------------------------ RLOO
+def test_rloo_hand_values():
+    # group [1, 0, 0], sum 1: 1 - (1-1)/2 = 1; 0 - (1-0)/2 = -0.5 (twice)
+    # group [1, 2, 3], sum 6: 1 - 5/2 = -1.5; 2 - 4/2 = 0; 3 - 3/2 = 1.5
+    close(L.rloo_advantages(t([1.0, 0.0, 0.0, 1.0, 2.0, 3.0]), 3), [1.0, -0.5, -0.5, -1.5, 0.0, 1.5])
+    # G = 2: each sample's baseline is the other one: [1 - 3, 3 - 1]
+    close(L.rloo_advantages(t([1.0, 3.0]), 2), [-2.0, 2.0])
+
+
+def test_rloo_is_scaled_centering_and_takes_integers():
+    rewards = torch.randn(12, dtype=F64)
+    # A_i = G / (G - 1) * (r_i - mean_g)
+    close(L.rloo_advantages(rewards, 4), 4 / 3 * L.group_advantages(rewards, 4, scale=False))
+    out = L.rloo_advantages(torch.tensor([1, 0, 1, 1]), 2)  # ints -> float: [1 - 0, 0 - 1, 1 - 1, 1 - 1]
+    assert out.is_floating_point()
+    close(out, [1.0, -1.0, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("group_size", [1, 3, 0])
+def test_rloo_group_errors(group_size):
+    with pytest.raises(ValueError, match="group_size"):
+        L.rloo_advantages(torch.ones(4), group_size)
+
+
+def test_rloo_needs_one_dimension():
+    with pytest.raises(ValueError, match="rewards"):
+        L.rloo_advantages(torch.ones(2, 2), 2)
+
+
+# --------------------------------------------------------------------------------- REINFORCE++-baseline
+def reinforce_batch():
+    # rewards [3, 1 | 0, 0] (G = 2): x = r - group mean = [1, -1, 0, 0]; row lengths [3, 1, 1, 1] of T = 3
+    return t([3.0, 1.0, 0.0, 0.0]), lengths_mask([3, 1, 1, 1], 3)
+
+
+def test_reinforce_baseline_centered_broadcasts_over_valid_tokens():
+    rewards, mask = reinforce_batch()
+    x = L.reinforce_baseline_centered(rewards, 2, mask)
+    close(x, [[1.0, 1.0, 1.0], [-1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+
+
+def test_reinforce_baseline_hand_values():
+    rewards, mask = reinforce_batch()
+    # valid tokens 1, 1, 1, -1, 0, 0: n = 6, mean = 2/6 = 1/3, sum of squares 4,
+    # Bessel var = (4 - 6 * (1/3)^2) / 5 = (10/3) / 5 = 2/3, std = sqrt(2/3) = 0.816497
+    # x = 1: (2/3) / sqrt(2/3) = sqrt(2/3) = 0.816497; x = -1: (-4/3) / sqrt(2/3) = -1.632993;
+    # x = 0: (-1/3) / sqrt(2/3) = -0.408248; invalid tokens 0
+    a, b, c = 0.816497, -1.632993, -0.408248
+    out = L.reinforce_baseline_advantages(rewards, 2, mask, eps=0.0)
+    close(out, [[a, a, a], [b, 0.0, 0.0], [c, 0.0, 0.0], [c, 0.0, 0.0]])
+    # eps = 1e-8 by default: the same to 1e-6
+    close(L.reinforce_baseline_advantages(rewards, 2, mask), out)
+
+
+def test_reinforce_baseline_matches_torch_statistics():
+    torch.manual_seed(0)
+    rewards, mask = torch.randn(8, dtype=F64), torch.rand(8, 5) > 0.3
+    x = L.reinforce_baseline_centered(rewards, 4, mask)
+    valid = x[mask]
+    expected = torch.where(mask, (x - valid.mean()) / torch.sqrt(valid.var(unbiased=True) + 1e-8), 0.0)
+    close(L.reinforce_baseline_advantages(rewards, 4, mask), expected)
+
+
+def test_reinforce_baseline_global_moments_equal_the_single_batch_form():
+    torch.manual_seed(1)
+    rewards, mask = torch.randn(8, dtype=F64), torch.rand(8, 6) > 0.4
+    whole = L.reinforce_baseline_advantages(rewards, 2, mask)
+    # two "ranks" holding whole groups: each sums its local moments, the all-reduce adds them
+    halves = [(rewards[:4], mask[:4]), (rewards[4:], mask[4:])]
+    moments = sum(L.masked_moments(L.reinforce_baseline_centered(r, 2, m), m) for r, m in halves)
+    parts = [L.reinforce_baseline_advantages(r, 2, m, moments=moments) for r, m in halves]
+    close(torch.cat(parts), whole, atol=1e-12)
+    # with only local moments a half differs from the whole batch's
+    assert not torch.allclose(L.reinforce_baseline_advantages(halves[0][0], 2, halves[0][1]), whole[:4])
+
+
+def test_reinforce_baseline_errors():
+    rewards, mask = reinforce_batch()
+    with pytest.raises(ValueError, match="group_size"):
+        L.reinforce_baseline_advantages(rewards, 3, mask)
+    with pytest.raises(ValueError, match="rewards"):
+        L.reinforce_baseline_advantages(rewards[:2], 2, mask)
+    with pytest.raises(ValueError, match="mask"):
+        L.reinforce_baseline_advantages(rewards, 2, mask[0])
+
+
+# ---------------------------------------------------------------------------- rollout-engine correction
+def rollout_batch():
+    # d = old - rollout on valid tokens: row 0 [ln 3, -ln 2, 0], row 1 [ln 1.5, ln 1.2, (padding)]
+    # raw token weights exp(d): [3, 0.5, 1], [1.5, 1.2]; sequence weights: row 0 exp(ln 3 - ln 2) = 1.5,
+    # row 1 exp(ln 1.5 + ln 1.2) = 1.8
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    rollout = t([[-1.0, -2.0, -0.3], [-0.7, -1.1, -math.inf]])  # garbage (-inf) on padding
+    d = t([[math.log(3), -math.log(2), 0.0], [math.log(1.5), math.log(1.2), 0.0]])
+    old = (rollout.masked_fill(~mask, 0.0) + d).masked_fill(~mask, math.nan).requires_grad_()
+    return old, rollout, mask
+
+
+@pytest.mark.parametrize(("level", "mode", "cap", "expected"), [
+    ("token", "truncate", 2.0, [[2.0, 0.5, 1.0], [1.5, 1.2, 0.0]]),  # min(w, 2)
+    ("token", "mask", 2.0, [[0.0, 0.5, 1.0], [1.5, 1.2, 0.0]]),  # 3 > 2 dropped
+    ("sequence", "truncate", 1.6, [[1.5, 1.5, 1.5], [1.6, 1.6, 0.0]]),  # min(1.8, 1.6) on row 1
+    ("sequence", "mask", 1.6, [[1.5, 1.5, 1.5], [0.0, 0.0, 0.0]]),  # 1.8 > 1.6: the whole row dropped
+    ("sequence", "mask", 2.0, [[1.5, 1.5, 1.5], [1.8, 1.8, 0.0]]),
+])
+def test_rollout_is_weights_hand_values(level, mode, cap, expected):
+    old, rollout, mask = rollout_batch()
+    w = L.rollout_is_weights(old, rollout, mask, level=level, mode=mode, cap=cap)
+    close(w, expected)
+    assert not w.requires_grad and w.dtype == F64
+
+
+def test_rollout_is_weights_defaults_and_dtype():
+    old, rollout, mask = rollout_batch()
+    # default: token level, truncate at 2
+    close(L.rollout_is_weights(old, rollout, mask), [[2.0, 0.5, 1.0], [1.5, 1.2, 0.0]])
+    half = L.rollout_is_weights(old.detach().to(torch.bfloat16), rollout.to(torch.bfloat16), mask)
+    assert half.dtype == torch.float32  # computed (and returned) in at least float32
+
+
+def test_rollout_is_weights_cannot_overflow():
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    old, rollout = torch.tensor([[0.0, 0.0]]), torch.tensor([[-1e4, -1e4]])  # d = 1e4: exp overflows float32
+    for level in ("token", "sequence"):
+        truncated = L.rollout_is_weights(old, rollout, mask, level=level, cap=3.0)
+        masked = L.rollout_is_weights(old, rollout, mask, level=level, mode="mask", cap=3.0)
+        assert truncated.tolist() == [[3.0, 3.0]] and masked.tolist() == [[0.0, 0.0]]
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(level="group"), "level"),
+    (dict(mode="clip"), "mode"),
+    (dict(cap=0.5), "cap"),
+    (dict(cap=math.nan), "cap"),
+])
+def test_rollout_is_weights_errors(kwargs, match):
+    old, rollout, mask = rollout_batch()
+    with pytest.raises(ValueError, match=match):
+        L.rollout_is_weights(old, rollout, mask, **kwargs)
+
+
+def test_rollout_is_weights_shape_error():
+    old, rollout, mask = rollout_batch()
+    with pytest.raises(ValueError, match="rollout_logp"):
+        L.rollout_is_weights(old, rollout[:, :2], mask)
+
+
+def test_rollout_mismatch_stats_token_level():
+    old, rollout, mask = rollout_batch()
+    weights = L.rollout_is_weights(old, rollout, mask, cap=2.0)
+    stats = L.rollout_mismatch_stats(old, rollout, mask, weights, 2.0)
+    # |d| = ln 3 + ln 2 + 0 + ln 1.5 + ln 1.2 = 1.098612 + 0.693147 + 0.405465 + 0.182322 = 2.379546; / 5
+    close(stats["rollout/logp_diff_mean"], 0.475909)
+    # k3 = w - 1 - d: 3-1-1.098612 = 0.901388; 0.5-1+0.693147 = 0.193147; 0; 0.5-0.405465 = 0.094535;
+    # 0.2-0.182322 = 0.017678; sum 1.206748 / 5 = 0.241350
+    close(stats["rollout/mismatch_k3"], 0.241350)
+    close(stats["rollout/is_weight_mean"], 1.24)  # (2 + 0.5 + 1 + 1.5 + 1.2) / 5
+    close(stats["rollout/is_clipped_frac"], 0.2)  # only w = 3 exceeds 2
+    assert all(not v.requires_grad and v.dim() == 0 for v in stats.values())
+
+
+def test_rollout_mismatch_stats_sequence_level_and_agreement():
+    old, rollout, mask = rollout_batch()
+    weights = L.rollout_is_weights(old, rollout, mask, level="sequence", mode="mask", cap=1.6)
+    stats = L.rollout_mismatch_stats(old, rollout, mask, weights, 1.6, level="sequence")
+    close(stats["rollout/is_weight_mean"], 0.9)  # (1.5 * 3 + 0 * 2) / 5
+    close(stats["rollout/is_clipped_frac"], 0.4)  # row 1's 1.8 > 1.6 on its 2 tokens
+    # engine and trainer agree: every statistic is exact
+    same = L.rollout_mismatch_stats(rollout, rollout, mask, L.rollout_is_weights(rollout, rollout, mask), 2.0)
+    assert {k: v.item() for k, v in same.items()} == {
+        "rollout/logp_diff_mean": 0.0, "rollout/mismatch_k3": 0.0, "rollout/is_weight_mean": 1.0,
+        "rollout/is_clipped_frac": 0.0,
+    }
+    # no valid token: zeros, not NaN
+    empty = torch.zeros_like(mask)
+    nothing = L.rollout_mismatch_stats(old, rollout, empty, torch.zeros_like(rollout), 2.0)
+    assert all(v.item() == 0.0 for v in nothing.values())
+
+
+def test_rollout_mismatch_stats_errors():
+    old, rollout, mask = rollout_batch()
+    weights = L.rollout_is_weights(old, rollout, mask)
+    with pytest.raises(ValueError, match="cap"):
+        L.rollout_mismatch_stats(old, rollout, mask, weights, 0.0)
+    with pytest.raises(ValueError, match="level"):
+        L.rollout_mismatch_stats(old, rollout, mask, weights, 2.0, level="group")
+    with pytest.raises(ValueError, match="weights"):
+        L.rollout_mismatch_stats(old, rollout, mask, weights[:1], 2.0)
