@@ -39,6 +39,27 @@ def scalars(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
+def logprobs(module, rollout, scorer=None):
+    """``[N, C]`` log-probs of ``rollout`` under ``scorer`` (default: the policy), as the step scores them."""
+    from lightning_rl.collectives import Collectives
+    from lightning_rl.logprobs import score_rollout
+
+    scorer = module.policy if scorer is None else scorer
+    joiner = module.policy if scorer is module.policy or getattr(scorer, "shares_weights", False) else None
+    return score_rollout(scorer, rollout, temperature=module.sampling.temperature,
+                         micro_batch_size=module.updater.micro_batch_size,
+                         collectives=Collectives(module._trainer), joiner=joiner)
+
+
+def update(module, minibatch):
+    """One optimiser step of ``module``'s trained models on ``minibatch`` (the updater's ``update``);
+    returns each micro-batch's ``(metrics, share)``."""
+    from lightning_rl.collectives import Collectives
+
+    return list(module.updater.update(minibatch, module.trained_models(), module.update_hooks(),
+                                      Collectives(module.trainer)))
+
+
 def make(cls=GRPO, **kw):
     """A tiny online RL module on the embedded model (8 new tokens, G = 4, AdamW lr 1e-3)."""
     args = dict(model="builtin:tiny-sort", max_new_tokens=8, max_prompt_length=16, num_generations=4,
