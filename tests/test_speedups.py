@@ -8,7 +8,7 @@ from functools import partial
 import pytest
 import torch
 from ddp_update import fixed_rollout
-from helpers import datamodule, make, make_trainer
+from helpers import datamodule, make, make_trainer, update
 
 from lightning_rl.algorithms import GRPO
 from lightning_rl.scoring import shared_prompts
@@ -25,7 +25,7 @@ class Probe(GRPO):
         self.grads = {}
         for mode in MODES:
             self.objective = dataclasses.replace(self.objective, aggregation=mode)
-            self.update(rollout)
+            update(self, rollout)
             self.grads[mode] = {n: p.grad.detach().clone() for n, p in self.policy.named_parameters()}
         self.shared = self.policy.share_prompts
 

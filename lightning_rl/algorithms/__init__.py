@@ -8,7 +8,8 @@ from lightning_rl.algorithms.gspo import GSPO
 from lightning_rl.algorithms.online import OnlineRL
 from lightning_rl.algorithms.ppo import PPO
 from lightning_rl.algorithms.reward_model import RewardModel
+from lightning_rl.algorithms.rloo import RLOO
 from lightning_rl.algorithms.sapo import SAPO
 from lightning_rl.algorithms.sft import SFT
 
-__all__ = ["DAPO", "DPO", "GRPO", "GSPO", "SAPO", "SFT", "OnlineRL", "PPO", "PolicyModule", "RewardModel"]
+__all__ = ["DAPO", "DPO", "GRPO", "GSPO", "SAPO", "SFT", "OnlineRL", "PPO", "RLOO", "PolicyModule", "RewardModel"]

@@ -1,0 +1,23 @@
+"""RLOO (Ahmadian et al., 2024, "Back to Basics"): REINFORCE with a leave-one-out baseline over G samples."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_rl.algorithms.online import OnlineRL
+from lightning_rl.estimators import RLOO as LeaveOneOut
+from lightning_rl.estimators import AdvantageEstimator
+from lightning_rl.losses import Aggregation
+
+
+class RLOO(OnlineRL):
+    """RLOO preset: advantage ``r_i - mean of the group's other G - 1 rewards`` (unbiased, no std scaling),
+    token-level PPO clip 0.2 (exactly REINFORCE with one update per rollout), ``token-mean``, no KL term.
+
+    Every other axis is open: see :class:`~lightning_rl.algorithms.online.OnlineRL`.
+    """
+
+    def __init__(self, *args: Any, advantage: AdvantageEstimator | None = None,
+                 aggregation: Aggregation = "token-mean", kl_coef: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(*args, advantage=advantage if advantage is not None else LeaveOneOut(),
+                         aggregation=aggregation, kl_coef=kl_coef, **kwargs)
