@@ -1,7 +1,7 @@
 """Behaviour of the online RL step (lightning_rl.algorithms.online.OnlineRL) on the embedded tiny model,
-checked against numbers recomputed from what the step saw: several updates per rollout (old log-probs
-recorded once, the ratio and clip fractions off-policy), the LR scheduler's cadence, Dr. GRPO advantages,
-chat-template prompts, and the correctness function behind DAPO's group filter."""
+checked against numbers recomputed from what the step saw: several updates per rollout (behaviour
+log-probs recorded once, the ratio and clip fractions off-policy), the LR scheduler's cadence, Dr. GRPO
+advantages, chat-template prompts, and the correctness function behind DAPO's dynamic sampling."""
 
 from __future__ import annotations
 
@@ -17,10 +17,13 @@ from helpers import datamodule, make, make_trainer, read_csv_metrics
 from lightning.pytorch.loggers import CSVLogger
 from transformers import AutoTokenizer
 
+import lightning_rl.logprobs
 from lightning_rl.algorithms import DAPO, GRPO
-from lightning_rl.callbacks import OldPolicySnapshot
 from lightning_rl.callbacks.base import RLCallback
+from lightning_rl.collectives import Collectives
 from lightning_rl.data import PromptDataModule
+from lightning_rl.estimators import GroupNormalized
+from lightning_rl.logprobs import score_rollout
 from lightning_rl.losses import dapo_group_keep
 from lightning_rl.rewards import exact_match
 from lightning_rl.rollout import Rollout
@@ -49,43 +52,69 @@ def texts(module, rows: torch.Tensor, mask: torch.Tensor) -> list[str]:
 
 
 def spy_generations(module) -> list[tuple[dict, Rollout]]:
-    """Record every (prompt batch, scored rollout) that ``generate_and_score`` produces, before any filter."""
-    seen, original = [], module.generate_and_score
+    """Record every (prompt batch, scored rollout) that ``module.sample`` produces (the first round and
+    every refill), before any filter."""
+    seen, original = [], module.sample
 
-    def spy(batch):
-        rollout, stats = original(batch)
+    def spy(batch, collectives):
+        rollout, stats = original(batch, collectives)
         seen.append((batch, rollout))
         return rollout, stats
 
-    module.generate_and_score = spy
+    module.sample = spy
     return seen
+
+
+def logprobs(module, rollout, scorer=None) -> torch.Tensor:
+    """``[N, C]`` log-probs of the rollout's tokens under ``scorer`` (default: the policy), as the step's
+    log-prob passes score them (the sampling temperature, the updater's micro-batches)."""
+    scorer = module.policy if scorer is None else scorer
+    return score_rollout(scorer, rollout, temperature=module.sampling.temperature,
+                         micro_batch_size=module.updater.micro_batch_size,
+                         collectives=Collectives(module.trainer),
+                         joiner=module.policy if scorer is module.policy else None)
+
+
+def spy_policy_scoring(monkeypatch, module) -> list[int]:
+    """Record the size of every rollout the step's log-prob passes score with the trained policy itself
+    (the behaviour pass under ``recompute``); this file's ``logprobs`` helper is not counted."""
+    calls, original = [], lightning_rl.logprobs.score_rollout
+
+    def spy(scorer, rollout, **kw):
+        if scorer is module.policy:
+            calls.append(len(rollout))
+        return original(scorer, rollout, **kw)
+
+    monkeypatch.setattr(lightning_rl.logprobs, "score_rollout", spy)
+    return calls
 
 
 # ----------------------------------------------------------------------- a. several updates per rollout
 class UpdateCheck(RLCallback):
-    """At each rollout keep a frozen copy of the behaviour policy; at each micro-batch (after backward,
-    before the optimiser step) recompute the loss metrics from the live policy and that copy."""
+    """At each rollout keep a frozen copy of the behaviour policy; at each micro-batch's loss (wrapping
+    ``module.policy_loss``: before the optimiser step) recompute the loss metrics from the live policy
+    and that copy."""
 
     def __init__(self, module, clip):
         self.clip, self.updates, self.rollouts = clip, [], []
-        original = module.micro_loss
+        original = module.policy_loss
 
-        def micro_loss(micro, num_tokens, num_seqs):
+        def policy_loss(micro, num_tokens, num_seqs):
             loss, metrics = original(micro, num_tokens, num_seqs)
             self.updates.append((len(self.rollouts) - 1, micro, self.expected(module, micro), metrics))
             return loss, metrics
 
-        module.micro_loss = micro_loss
+        module.policy_loss = policy_loss  # trained_models() reads it at call time
 
     def on_rollout_end(self, trainer, pl_module, rollout):
         self.behaviour = copy.deepcopy(pl_module.policy)
         # recorded from the policy as it is now, before any update of this rollout
-        self.rollouts.append((rollout, torch.equal(rollout.old_logp, pl_module.logprobs(rollout))))
+        self.rollouts.append((rollout, torch.equal(rollout.old_logp, logprobs(pl_module, rollout))))
 
     def expected(self, module, micro):
-        mask = micro.completion_mask.bool()
-        behaviour = module.logprobs(micro, self.behaviour)
-        r = torch.exp(module.logprobs(micro) - behaviour)[mask]
+        mask = micro.loss_mask.bool()
+        behaviour = logprobs(module, micro, self.behaviour)
+        r = torch.exp(logprobs(module, micro) - behaviour)[mask]
         adv = micro.advantages[:, None].expand_as(mask)[mask]
         rows = mask.any(-1)
         return {"old_logp_diff": float((micro.old_logp - behaviour)[mask].abs().max()),
@@ -107,18 +136,19 @@ class OptimizerSteps(L.Callback):
         self.lrs.append(optimizer.param_groups[0]["lr"])
 
 
-def test_ppo_epochs_and_minibatches_reuse_one_behaviour_snapshot(tmp_path):
+def test_ppo_epochs_and_minibatches_reuse_one_behaviour_snapshot(tmp_path, monkeypatch):
     clip = 0.01
     module = make(GRPO, ppo_epochs=2, num_minibatches=2, kl_coef=0.0, clip_low=clip, clip_high=clip,
                   optimizer=partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.0))
-    snap, check, steps = OldPolicySnapshot(), UpdateCheck(module, clip), OptimizerSteps()
-    trainer = make_trainer(tmp_path, max_steps=8, callbacks=[snap, check, steps])
+    behaviour_passes = spy_policy_scoring(monkeypatch, module)
+    check, steps = UpdateCheck(module, clip), OptimizerSteps()
+    trainer = make_trainer(tmp_path, max_steps=8, callbacks=[check, steps])
     trainer.fit(module, datamodule())
     # 2 rollouts x 2 epochs x 2 minibatches = 8 optimiser steps; behaviour log-probs computed once per rollout
     assert trainer.global_step == 8 and len(steps.lrs) == 8
-    assert len(check.rollouts) == 2 and snap.forward_passes == 2
+    assert len(check.rollouts) == 2 and behaviour_passes == [16, 16]
     for rollout, recorded_before_update in check.rollouts:
-        assert rollout.old_logp is not None and rollout.old_logp.shape == rollout.completion_mask.shape
+        assert rollout.old_logp is not None and rollout.old_logp.shape == rollout.attention_mask.shape
         assert recorded_before_update
     assert [i for i, *_ in check.updates] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [len(micro) for _, micro, *_ in check.updates] == [8] * 8  # 16 samples split in two, twice
@@ -168,7 +198,7 @@ def length_reward(completions, **_):
 @pytest.mark.parametrize("scale", [True, False])
 def test_scale_advantages_inside_the_module(tmp_path, scale):
     # rewards: exact match + 0.1 x completion length, so groups have many different spreads
-    module = make(GRPO, kl_coef=0.0, scale_advantages=scale, reward_weights=[1.0, 0.1],
+    module = make(GRPO, kl_coef=0.0, advantage=GroupNormalized(scale=scale), reward_weights=[1.0, 0.1],
                   reward_fns=["lightning_rl.rewards:exact_match", f"{HERE}:length_reward"])
     cap = Capture()
     make_trainer(tmp_path, max_steps=1, callbacks=[cap]).fit(module, datamodule())
@@ -291,7 +321,7 @@ def test_correctness_fn_decides_rollout_correct_and_the_groups_dapo_keeps(tmp_pa
     (rollout,) = cap.rollouts
     kept = []
     for batch, generated in seen:
-        completions = module.decode(generated.completion_ids, generated.completion_mask)
+        completions = module.decode(generated.completion_ids, generated.attention_mask)
         answers = [a for a in batch["answer"] for _ in range(4)]
         # correctness comes from correctness_fn; the reward is still the configured reward function
         assert generated.correct.tolist() == odd_length(completions)

@@ -1,6 +1,7 @@
-"""Tests for the shared online RL step (lightning_rl.algorithms.online.OnlineRL) and its callbacks, on the
-embedded tiny model: micro-batch gradient invariance, the old-policy snapshot, end-to-end runs of every
-algorithm with their metrics, DAPO's group filter, bad input caught before any step, and truncation."""
+"""Tests for the shared online RL step (lightning_rl.algorithms.online.OnlineRL) and its stages, on the
+embedded tiny model: micro-batch gradient invariance, behaviour log-probs (on-policy / recomputed once),
+end-to-end runs of every algorithm with their metrics, bad input caught before any step, and truncation.
+DAPO's dynamic-sampling filter on its own is tested in test_stages.py."""
 
 from __future__ import annotations
 
@@ -17,13 +18,15 @@ import torch
 from helpers import datamodule, make, make_trainer, read_csv_metrics
 from lightning.pytorch.loggers import CSVLogger
 
+import lightning_rl.logprobs
 from lightning_rl.algorithms import DAPO, GRPO, GSPO, SAPO, OnlineRL
-from lightning_rl.callbacks import DAPOGroupFilter, OldPolicySnapshot
 from lightning_rl.callbacks.base import RLCallback
+from lightning_rl.collectives import Collectives
 from lightning_rl.data import PromptDataModule
+from lightning_rl.logprobs import LogProbPasses, resolve_behaviour, score_rollout
 from lightning_rl.losses import dapo_group_keep, normalizer_counts, overlong_penalty
 from lightning_rl.rewards import RewardError
-from lightning_rl.rollout import Rollout, merge_stats
+from lightning_rl.rollout import Rollout
 
 HERE = __name__  # reward functions below are named by import path, as in YAML
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -79,6 +82,49 @@ class Capture(RLCallback):
         self.rollouts.append(rollout)
 
 
+def sample(module, batch) -> Rollout:
+    """The step's sampling stage on ``batch``: G samples per prompt, scored (no advantages yet)."""
+    rollout, _ = module.sample(batch, Collectives(module.trainer))
+    return rollout
+
+
+def logprobs(module, rollout, scorer=None) -> torch.Tensor:
+    """``[N, C]`` log-probs of the rollout's tokens under ``scorer`` (default: the policy), as the step's
+    log-prob passes score them (the sampling temperature, the updater's micro-batches)."""
+    scorer = module.policy if scorer is None else scorer
+    joiner = module.policy if scorer is module.policy or getattr(scorer, "shares_weights", False) else None
+    return score_rollout(scorer, rollout, temperature=module.sampling.temperature,
+                         micro_batch_size=module.updater.micro_batch_size,
+                         collectives=Collectives(module.trainer), joiner=joiner)
+
+
+def update(module, rollout) -> None:
+    """One optimiser step of the module's updater on ``rollout`` (one minibatch, its micro-batches)."""
+    for _ in module.updater.update(rollout, module.trained_models(), module.update_hooks(),
+                                   Collectives(module.trainer)):
+        pass
+
+
+def behaviour_passes(module) -> LogProbPasses:
+    """The step's log-prob passes as the module configures them now (``behaviour_logp`` resolved)."""
+    behaviour = resolve_behaviour(module.behaviour_logp, module.updater.updates_per_rollout, module.engine)
+    return LogProbPasses(behaviour, module.sampling.temperature, module.updater.micro_batch_size)
+
+
+def spy_policy_scoring(monkeypatch, module) -> list[int]:
+    """Record the size of every rollout the step's log-prob passes score with the trained policy itself
+    (the behaviour pass under ``recompute``); this file's ``logprobs`` helper is not counted."""
+    calls, original = [], lightning_rl.logprobs.score_rollout
+
+    def spy(scorer, rollout, **kw):
+        if scorer is module.policy:
+            calls.append(len(rollout))
+        return original(scorer, rollout, **kw)
+
+    monkeypatch.setattr(lightning_rl.logprobs, "score_rollout", spy)
+    return calls
+
+
 # reward functions named by path -------------------------------------------------------------------------
 def raising_reward(completions, **_):
     raise ZeroDivisionError("bad reward code")
@@ -108,15 +154,15 @@ def counting_reward(completions, **_):
 def prepare_rollout(module, trainer, seed=0) -> Rollout:
     """A real rollout made harder: rows of different lengths, two fully masked rows, off-policy old
     log-probs (the clip bites on both sides), advantages of both signs, a perturbed reference."""
-    rollout, _ = module.generate_and_score(first_batch(trainer))
+    rollout = sample(module, first_batch(trainer))
     g = torch.Generator().manual_seed(seed)
-    mask = rollout.completion_mask.clone()
+    mask = rollout.attention_mask.clone()
     mask[3] = 0
     mask[9] = 0
     mask[5, 2:] = 0
     mask[12, 4:] = 0
-    rollout.completion_mask = mask
-    logp = module.logprobs(rollout)
+    rollout.attention_mask, rollout.loss_mask = mask, mask.clone()  # out of the context and of the loss
+    logp = logprobs(module, rollout)
     noise = torch.randn(logp.shape, generator=g) * 0.3
     rollout.old_logp = torch.where(mask.bool(), logp + noise, 0.0)
     rollout.ref_logp = torch.where(mask.bool(), logp + torch.randn(logp.shape, generator=g) * 0.2, 0.0)
@@ -125,10 +171,10 @@ def prepare_rollout(module, trainer, seed=0) -> Rollout:
 
 
 def update_grads(module, rollout, micro_batch_size, aggregation) -> dict[str, torch.Tensor]:
-    module.micro_batch_size = micro_batch_size
+    module.updater.micro_batch_size = micro_batch_size
     module.objective = dataclasses.replace(module.objective, aggregation=aggregation)
     before = params(module)
-    module.update(rollout)
+    update(module, rollout)
     assert max_diff(before, params(module)) == 0  # SGD with lr 0: the step leaves the policy unchanged
     return grads(module)
 
@@ -139,10 +185,10 @@ def test_gradient_does_not_depend_on_micro_batch_size(tmp_path):
 
     def experiment(trainer, module):
         rollout = prepare_rollout(module, trainer)
-        mask = rollout.completion_mask.bool()
+        mask = rollout.loss_mask.bool()
         lengths = mask.sum(-1)
         assert len(rollout) == 16 and len(set(lengths.tolist())) >= 3 and (lengths == 0).sum() == 2
-        r = torch.exp(module.logprobs(rollout) - rollout.old_logp)[mask]
+        r = torch.exp(logprobs(module, rollout) - rollout.old_logp)[mask]
         adv = rollout.advantages[:, None].expand_as(mask)[mask]
         assert ((r > 1.28) & (adv > 0)).any() and ((r < 0.8) & (adv < 0)).any()  # clipped on both sides
         out = {}
@@ -152,16 +198,16 @@ def test_gradient_does_not_depend_on_micro_batch_size(tmp_path):
                 out[(mode, micro)] = (max_diff(update_grads(module, rollout, micro, mode), whole),
                                       norm(whole))
         # control: normalising each micro-batch by its own counts changes the gradient
-        original = module.micro_loss
+        original = module.policy_loss
 
         def local_counts(micro, num_tokens, num_seqs):
-            return original(micro, *normalizer_counts(micro.completion_mask))
+            return original(micro, *normalizer_counts(micro.loss_mask))
 
-        module.micro_loss = local_counts
+        module.policy_loss = local_counts  # trained_models() reads it at call time
         for mode in AGGS:
             out[(mode, "local")] = max_diff(update_grads(module, rollout, 1, mode),
                                             update_grads(module, rollout, None, mode))
-        module.micro_loss = original
+        del module.policy_loss  # the class's method again
         return out
 
     out = probe(module, experiment, tmp_path)
@@ -181,13 +227,13 @@ def test_micro_batches_on_a_single_device_match_the_whole_batch_step(tmp_path):
     for micro in (None, 2):
         module = make(GRPO, kl_coef=0.0, micro_batch_size=micro, max_grad_norm=None,
                       optimizer=partial(torch.optim.SGD, lr=1.0))
-        before, sizes, original = params(module), [], module.micro_loss
+        before, sizes, original = params(module), [], module.policy_loss
 
         def counting(m, num_tokens, num_seqs, original=original, sizes=sizes):
             sizes.append(len(m))
             return original(m, num_tokens, num_seqs)
 
-        module.micro_loss = counting
+        module.policy_loss = counting
         cap = Capture()
         trainer = make_trainer(tmp_path / str(micro), max_steps=1, callbacks=[cap])
         trainer.fit(module, datamodule())
@@ -201,48 +247,43 @@ def test_micro_batches_on_a_single_device_match_the_whole_batch_step(tmp_path):
     assert max_diff(whole_step, micro_step) < 1e-6
 
 
-# -------------------------------------------------------------------------------- b. old-policy snapshot
-def test_single_update_skips_the_old_policy_forward_pass(tmp_path):
+# ------------------------------------------------------------------------------ b. behaviour log-probs
+def test_single_update_skips_the_old_policy_forward_pass(tmp_path, monkeypatch):
     module = make(GRPO, kl_coef=0.0)
-    snap, cap = OldPolicySnapshot(), Capture()
-    policy_logprob_calls = []
-    original = module.logprobs
-
-    def spy(rollout, model=None):
-        if model is None:
-            policy_logprob_calls.append(len(rollout))
-        return original(rollout, model)
-
-    module.logprobs = spy
-    trainer = make_trainer(tmp_path, max_steps=2, callbacks=[snap, cap])
+    cap = Capture()
+    policy_logprob_calls = spy_policy_scoring(monkeypatch, module)
+    trainer = make_trainer(tmp_path, max_steps=2, callbacks=[cap])
     trainer.fit(module, datamodule())
     assert trainer.global_step == 2 and len(cap.rollouts) == 2
-    assert snap.forward_passes == 0 and policy_logprob_calls == []
+    assert behaviour_passes(module).behaviour == "on_policy"  # `auto`, one update per rollout
+    assert policy_logprob_calls == []  # no behaviour forward pass at all
     assert all(r.old_logp is None for r in cap.rollouts)
 
 
-def test_single_update_gradient_equals_recorded_old_logprobs(tmp_path):
+def test_single_update_gradient_equals_recorded_old_logprobs(tmp_path, monkeypatch):
     module = make(GRPO, max_grad_norm=None, optimizer=partial(torch.optim.SGD, lr=0.0))
+    policy_calls = spy_policy_scoring(monkeypatch, module)
 
     def experiment(trainer, module):
-        rollout, _ = module.generate_and_score(first_batch(trainer))
+        collectives = Collectives(trainer)
+        rollout = sample(module, first_batch(trainer))
         rollout.advantages = torch.randn(len(rollout), generator=torch.Generator().manual_seed(1))
-        rollout.ref_logp = module.logprobs(rollout, module._reference)
-        snap = next(cb for cb in trainer.callbacks if isinstance(cb, OldPolicySnapshot))
-        snap.on_rollout_end(trainer, module, rollout)
-        assert rollout.old_logp is None and snap.forward_passes == 0
-        module.update(rollout)
+        rollout, _ = behaviour_passes(module)(rollout, module.policy, module._reference, collectives)
+        torch.testing.assert_close(rollout.ref_logp, logprobs(module, rollout, module._reference),
+                                   atol=0, rtol=0)
+        assert rollout.old_logp is None and policy_calls == []  # on-policy: no behaviour forward
+        update(module, rollout)
         skipped = grads(module)
-        rollout.old_logp = module.logprobs(rollout)  # recorded explicitly: the behaviour policy's
-        module.update(rollout)
+        rollout.old_logp = logprobs(module, rollout)  # recorded explicitly: the behaviour policy's
+        update(module, rollout)
         recorded = grads(module)
-        # with 2 updates per rollout the callback records exactly these log-probs, once
-        module.num_minibatches = 2
+        # with 2 updates per rollout the passes record exactly these log-probs, with one forward pass
+        module.updater.num_minibatches = 2
         rollout.old_logp = None
-        snap.on_rollout_end(trainer, module, rollout)
-        assert snap.forward_passes == 1
-        torch.testing.assert_close(rollout.old_logp, module.logprobs(rollout), atol=0, rtol=0)
-        module.num_minibatches = 1
+        rollout, _ = behaviour_passes(module)(rollout, module.policy, module._reference, collectives)
+        assert policy_calls == [len(rollout)]
+        torch.testing.assert_close(rollout.old_logp, logprobs(module, rollout), atol=0, rtol=0)
+        module.updater.num_minibatches = 1
         return skipped, recorded
 
     skipped, recorded = probe(module, experiment, tmp_path)
@@ -251,36 +292,39 @@ def test_single_update_gradient_equals_recorded_old_logprobs(tmp_path):
 
 
 class OldLogpCheck(RLCallback):
-    """At each update of a step (after backward, before the optimiser step) compare the rollout's old
+    """At each update of a step (at its loss, before the optimiser step) compare the rollout's old
     log-probs with the policy's current ones: equal before the first step, different after it."""
 
-    def __init__(self):
+    def __init__(self, module):
         self.rollout, self.checks = None, []
+        original = module.policy_loss
+
+        def policy_loss(micro, num_tokens, num_seqs):
+            current = logprobs(module, self.rollout)
+            self.checks.append((self.seen, float((current - self.rollout.old_logp).abs().max())))
+            self.seen += 1
+            return original(micro, num_tokens, num_seqs)
+
+        module.policy_loss = policy_loss
 
     def on_rollout_end(self, trainer, pl_module, rollout):
         self.rollout, self.seen = rollout, 0
 
-    def on_update_end(self, trainer, pl_module, metrics, weight):
-        if "policy/loss" not in metrics:
-            return
-        current = pl_module.logprobs(self.rollout)
-        self.checks.append((self.seen, float((current - self.rollout.old_logp).abs().max())))
-        self.seen += 1
 
-
-def test_two_minibatches_record_old_logprobs_once_per_step(tmp_path):
+def test_two_minibatches_record_old_logprobs_once_per_step(tmp_path, monkeypatch):
     module = make(GRPO, num_minibatches=2, kl_coef=0.0)
-    snap, cap, check = OldPolicySnapshot(), Capture(), OldLogpCheck()
+    policy_logprob_calls = spy_policy_scoring(monkeypatch, module)
+    cap, check = Capture(), OldLogpCheck(module)
     # 2 RL steps x 2 optimiser steps
-    trainer = make_trainer(tmp_path, max_steps=4, callbacks=[snap, cap, check])
+    trainer = make_trainer(tmp_path, max_steps=4, callbacks=[cap, check])
     trainer.fit(module, datamodule())
     assert trainer.global_step == 4 and len(cap.rollouts) == 2
-    assert snap.forward_passes == 2
+    assert policy_logprob_calls == [16, 16]  # one behaviour pass per rollout, over all of it
     for r in cap.rollouts:
-        assert r.old_logp is not None and r.old_logp.shape == r.completion_mask.shape
+        assert r.old_logp is not None and r.old_logp.shape == r.attention_mask.shape
     first = [d for i, d in check.checks if i == 0]
     second = [d for i, d in check.checks if i == 1]
-    assert len(first) == 2 and len(second) == 2
+    assert len(first) == 2 and len(second) == 2 and len(check.checks) == 4
     assert max(first) < 1e-6  # recorded from the behaviour policy, before any step
     assert min(second) > 1e-6  # the second minibatch is off-policy: the recorded values were kept
 
@@ -303,14 +347,14 @@ CLIP = ["policy/clip_frac_low", "policy/clip_frac_high"]
 def test_end_to_end(tmp_path, cls, kw, max_steps, rl_steps, extra, absent):
     module = make(cls, **kw)
     before = params(module)
-    cap, generated, original = Capture(), [], module.generate_and_score
+    cap, generated, original = Capture(), [], module.sample
 
-    def spy(batch):  # every generation round, with the RL step it belongs to
-        rollout, stats = original(batch)
+    def spy(batch, collectives):  # every generation round (refills too), with the RL step it belongs to
+        rollout, stats = original(batch, collectives)
         generated.append((module.trainer.fit_loop.total_batch_idx, rollout))
         return rollout, stats
 
-    module.generate_and_score = spy
+    module.sample = spy
     trainer = make_trainer(tmp_path, max_steps=max_steps, callbacks=[cap], logger=CSVLogger(str(tmp_path)),
                            limit_val_batches=1, val_check_interval=rl_steps, check_val_every_n_epoch=None,
                            log_every_n_steps=1)
@@ -376,100 +420,6 @@ def test_end_to_end(tmp_path, cls, kw, max_steps, rl_steps, extra, absent):
             assert len(r) == 4 * min(mixed, 4)
     if cls is SAPO:  # on-policy the gate weight is 4 sigmoid(0) (1 - sigmoid(0)) = 1 exactly
         assert logged["policy/gate_weight_mean"] == [pytest.approx(1.0, abs=1e-6)] * 3
-
-
-# ------------------------------------------------------------------------------------ d. group filter
-def fake_rollout(correct: list[list[int]], tag: int, rewards: list[list[float]] | None = None) -> Rollout:
-    """Groups of ``len(correct[0])`` rows; ``lengths`` = 100 * tag + row, so kept rows can be traced."""
-    G, n = len(correct[0]), len(correct) * len(correct[0])
-    flat = torch.tensor([c for group in correct for c in group], dtype=torch.bool)
-    r = torch.tensor([x for group in rewards for x in group]) if rewards else flat.float()
-    return Rollout(
-        prompt_ids=torch.ones(n, 3, dtype=torch.long), prompt_mask=torch.ones(n, 3, dtype=torch.long),
-        completion_ids=torch.ones(n, 2 + tag, dtype=torch.long),
-        completion_mask=torch.ones(n, 2 + tag, dtype=torch.long),
-        truncated=torch.zeros(n, dtype=torch.bool), lengths=torch.arange(n) + 100 * tag,
-        group_ids=torch.arange(len(correct)).repeat_interleave(G), rewards=r, correct=flat,
-        advantages=torch.zeros(n),
-    )
-
-
-class FakeModule:
-    """What DAPOGroupFilter needs from the module."""
-
-    def __init__(self, G, rounds):
-        self.num_generations, self.rounds = G, list(rounds)
-        self.draws = 0
-
-    def draw_prompts(self):
-        self.draws += 1
-        return {"prompt": ["x"]}
-
-    def generate_and_score(self, batch):
-        assert batch == {"prompt": ["x"]}
-        return self.rounds.pop(0), {"perf/generation_time": 1.0}
-
-
-def run_filter(G, first, more, max_gen_batches):
-    module = FakeModule(G, more)
-    out, stats = DAPOGroupFilter(max_gen_batches=max_gen_batches).on_rollout_scored(None, module, first)
-    # the step merges the filter's statistics into its own (first round: 1 s of generation)
-    module.stats = merge_stats({"perf/generation_time": 1.0}, stats)
-    return out, module
-
-
-def test_group_filter_refills_until_full_and_trims():
-    first = fake_rollout([[1, 1], [0, 1], [0, 0], [1, 0]], tag=0)  # keeps groups 1 and 3
-    second = fake_rollout([[0, 0], [1, 1], [0, 0], [0, 0]], tag=1)  # keeps nothing
-    third = fake_rollout([[1, 0], [0, 1], [1, 0], [1, 1]], tag=2)  # keeps 3 groups; only 2 fit
-    out, module = run_filter(2, first, [second, third], max_gen_batches=3)
-    assert module.draws == 2 and module.rounds == []
-    assert out.lengths.tolist() == [2, 3, 6, 7, 200, 201, 202, 203]  # target 4 groups, in order
-    assert (out.num_groups == 4
-            and out.correct.tolist() == [False, True, True, False, True, False, False, True])
-    assert out.completion_ids.shape[1] == 4  # padded to the widest part
-    # 12 groups generated, 5 kept by the filter: 7 / 12 dropped; 3 rounds; generation time summed
-    assert module.stats["rollout/filtered_group_frac"] == pytest.approx(7 / 12)
-    assert module.stats["rollout/gen_batches"] == 3.0
-    assert module.stats["perf/generation_time"] == 3.0
-
-
-def test_group_filter_stops_when_full():
-    first = fake_rollout([[1, 0, 0], [0, 1, 1]], tag=0)
-    out, module = run_filter(3, first, [], max_gen_batches=3)
-    assert module.draws == 0 and out.lengths.tolist() == list(range(6))
-    assert module.stats["rollout/filtered_group_frac"] == 0.0 and module.stats["rollout/gen_batches"] == 1.0
-
-
-def test_group_filter_gives_up_after_max_gen_batches():
-    first = fake_rollout([[1, 1], [1, 0], [0, 0], [1, 1]], tag=0)
-    second = fake_rollout([[0, 0], [0, 0], [0, 1], [1, 1]], tag=1)
-    third = fake_rollout([[1, 0]] * 4, tag=2)  # never drawn
-    out, module = run_filter(2, first, [second, third], max_gen_batches=2)
-    assert module.draws == 1 and len(module.rounds) == 1
-    assert out.lengths.tolist() == [2, 3, 104, 105]
-    assert module.stats["rollout/filtered_group_frac"] == pytest.approx(1 - 2 / 8)
-    assert module.stats["rollout/gen_batches"] == 2.0
-
-
-def test_group_filter_uses_correctness_not_rewards():
-    # group 0: rewards differ (shaped) but all wrong -> dropped;
-    # group 1: equal rewards, mixed correctness -> kept
-    first = fake_rollout([[0, 0], [1, 0]], tag=0, rewards=[[-0.5, 0.0], [0.3, 0.3]])
-    out, module = run_filter(2, first, [], max_gen_batches=1)
-    assert out.lengths.tolist() == [2, 3]
-    assert module.stats["rollout/filtered_group_frac"] == 0.5
-
-
-def test_group_filter_everything_dropped():
-    out, module = run_filter(2, fake_rollout([[1, 1], [0, 0]], tag=0), [], max_gen_batches=1)
-    assert len(out) == 0
-    assert module.stats["rollout/filtered_group_frac"] == 1.0 and module.stats["rollout/gen_batches"] == 1.0
-
-
-def test_group_filter_validates_max_gen_batches():
-    with pytest.raises(ValueError, match="max_gen_batches"):
-        DAPOGroupFilter(max_gen_batches=0)
 
 
 # ------------------------------------------------------------------------------ e. bad input, early
@@ -590,14 +540,22 @@ def test_config_errors_name_the_key(cls, kw, key):
         make(cls, **kw)
 
 
+def overlong_buffer(module):
+    """The overlong shaping's buffer as the reward pipeline applies it (``None``: no shaping)."""
+    overlong = module.reward_pipeline.overlong
+    return None if overlong is None else overlong[1]
+
+
 def test_dapo_overlong_buffer_defaults():
-    assert make(DAPO, max_new_tokens=10).overlong_buffer == 2  # a fifth of max_new_tokens
-    assert make(DAPO, max_new_tokens=4).overlong_buffer == 1
-    assert make(DAPO, overlong_buffer=0).overlong_buffer is None  # 0 turns it off
-    assert make(DAPO, overlong_buffer=8).overlong_buffer == 8
+    assert overlong_buffer(make(DAPO, max_new_tokens=10)) == 2  # a fifth of max_new_tokens
+    assert overlong_buffer(make(DAPO, max_new_tokens=4)) == 1
+    assert overlong_buffer(make(DAPO, overlong_buffer=0)) is None  # 0 turns it off
+    assert overlong_buffer(make(DAPO, overlong_buffer=8)) == 8
+    # the shaping is over the module's real max_new_tokens, with the configured factor
+    assert make(DAPO, overlong_buffer=8, overlong_penalty_factor=0.5).reward_pipeline.overlong == (8, 8, 0.5)
     # resolved inside OnlineRL from the module's real max_new_tokens, for any preset
-    assert make(GRPO, overlong_buffer="auto", max_new_tokens=20).overlong_buffer == 4
-    assert make(GRPO).overlong_buffer is None  # off unless asked for
+    assert overlong_buffer(make(GRPO, overlong_buffer="auto", max_new_tokens=20)) == 4
+    assert overlong_buffer(make(GRPO)) is None  # off unless asked for
     with pytest.raises(ValueError, match="model.overlong_buffer"):
         make(DAPO, max_new_tokens=8, overlong_buffer=9)
 
@@ -609,20 +567,21 @@ def test_mask_truncated_zeroes_truncated_rows(tmp_path):
 
     def experiment(trainer, module):
         batch = first_batch(trainer)
-        rollout, _ = module.generate_and_score(batch)
+        rollout = sample(module, batch)
         module.mask_truncated = False
-        plain, _ = module.generate_and_score(batch)
+        plain = sample(module, batch)
         module.mask_truncated = True
         rollout.advantages = torch.randn(len(rollout), generator=torch.Generator().manual_seed(0))
-        module.update(rollout)
+        update(module, rollout)
         return rollout, plain, grads(module)
 
     rollout, plain, g = probe(module, experiment, tmp_path)
     # sort answers need 6 tokens: with a budget of 2 every completion is truncated
     assert rollout.truncated.all()
-    assert rollout.completion_mask.sum() == 0
+    assert rollout.loss_mask.sum() == 0
+    assert rollout.attention_mask.sum(-1).tolist() == [2] * 16  # out of the loss, still in the context
     assert rollout.lengths.tolist() == [2] * 16  # the sampled length, whatever the loss mask says
-    assert plain.completion_mask.sum(-1).tolist() == [2] * 16  # without the option they count
+    assert plain.loss_mask.sum(-1).tolist() == [2] * 16  # without the option they count
     # nothing counts in the loss: a zero, finite gradient
     assert all(torch.isfinite(v).all() and (v == 0).all() for v in g.values())
 
@@ -633,8 +592,8 @@ def test_dapo_overlong_penalty_shapes_rewards_not_correctness(tmp_path):
 
     def experiment(trainer, module):
         batch = first_batch(trainer)
-        rollout, _ = module.generate_and_score(batch)
-        texts = module.decode(rollout.completion_ids, rollout.completion_mask)
+        rollout = sample(module, batch)
+        texts = module.decode(rollout.completion_ids, rollout.attention_mask)
         answers = [a for a in batch["answer"] for _ in range(4)]
         return rollout, texts, answers
 
