@@ -46,9 +46,9 @@ def test_moved_policy_with_top_k_top_p_gives_finite_loss_kl_and_gradient(ratio_l
     filtered_ref, _ = module._reference.token_logprobs(*args, temperature=1.0, top_k=5, top_p=0.9)
     assert torch.isinf(filtered_ref[valid]).sum() > 0
     # What training does: every log-prob on the tempered, unfiltered distribution.
-    ref = module._reference.token_logprobs(*args, **module.scoring_kwargs)[0]
-    old = module.policy.token_logprobs(*args, **module.scoring_kwargs)[0].detach()
-    logp, _ = module.policy.token_logprobs(*args, **module.scoring_kwargs)
+    ref = module._reference.token_logprobs(*args, temperature=module.sampling.temperature)[0]
+    old = module.policy.token_logprobs(*args, temperature=module.sampling.temperature)[0].detach()
+    logp, _ = module.policy.token_logprobs(*args, temperature=module.sampling.temperature)
     adv = torch.linspace(-1.5, 1.5, len(valid))
     loss, metrics = module.objective(logp, old + 0.1 * torch.randn_like(old), ref, adv, valid)
     loss.backward()
@@ -76,7 +76,7 @@ def test_nonfinite_behaviour_logprobs_are_excluded_and_counted():
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     rollout = Rollout(prompt_ids=torch.ones(2, 1, dtype=torch.long),
                       prompt_mask=torch.ones(2, 1, dtype=torch.long),
-                      completion_ids=torch.ones(2, 3, dtype=torch.long), completion_mask=mask,
+                      completion_ids=torch.ones(2, 3, dtype=torch.long), attention_mask=mask, loss_mask=mask,
                       truncated=torch.zeros(2, dtype=torch.bool), lengths=mask.sum(-1),
                       group_ids=torch.zeros(2, dtype=torch.long), rewards=torch.zeros(2),
                       correct=torch.zeros(2, dtype=torch.bool), advantages=torch.zeros(2),
@@ -84,21 +84,22 @@ def test_nonfinite_behaviour_logprobs_are_excluded_and_counted():
                       ref_logp=torch.tensor([[-1.0, -1.0, 0.0], [math.nan, -1.0, -1.0]]))
     clean, excluded = exclude_nonfinite(rollout)
     assert excluded == 2.0  # (0, 1) old -inf and (1, 0) ref NaN; (0, 2) is padding and does not count
-    assert clean.completion_mask.tolist() == [[1, 0, 0], [0, 1, 1]]
+    assert clean.loss_mask.tolist() == [[1, 0, 0], [0, 1, 1]]
+    assert torch.equal(clean.attention_mask, mask)  # out of the loss, still in the context
     assert torch.isfinite(clean.old_logp).all() and torch.isfinite(clean.ref_logp).all()
     assert exclude_nonfinite(clean) == (clean, 0.0)
 
 
 # ------------------------------------------------------------------------------ clipping, precision
 class NormProbe(RLCallback):
-    """The logged pre-clip norm of each optimiser step."""
+    """The logged pre-clip norm of each step (one optimiser step per step here)."""
 
     def __init__(self):
         self.norms: list[float] = []
 
-    def on_update_end(self, trainer, pl_module, metrics, weight):
-        if "policy/grad_norm" in metrics:
-            self.norms.append(float(metrics["policy/grad_norm"]))
+    def on_train_batch_end(self, trainer, pl_module, *_):
+        if "policy/grad_norm" in trainer.callback_metrics:
+            self.norms.append(float(trainer.callback_metrics["policy/grad_norm"]))
 
 
 @pytest.mark.parametrize("max_grad_norm", [1e-3, None])
