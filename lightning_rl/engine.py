@@ -25,8 +25,14 @@ from torch import Tensor, nn
 from transformers import GenerationConfig
 
 from lightning_rl.sampling import sample_compacting
-from lightning_rl.scoring import _keep_kwargs as keep_logits
-from lightning_rl.scoring import base_model, cache_argument, eval_mode, position_ids, returned_cache
+from lightning_rl.scoring import (
+    base_model,
+    cache_argument,
+    eval_mode,
+    keep_logits,
+    position_ids,
+    returned_cache,
+)
 
 if TYPE_CHECKING:
     from lightning_rl.policy import Policy
@@ -139,17 +145,16 @@ def hf_generate(policy: Policy, prompt_ids: Tensor, prompt_mask: Tensor, *, num_
     model, eos, pad = policy.model, policy.eos_token_id, policy.pad_token_id
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    ids, mask = prompt_ids.repeat_interleave(num_samples, 0), prompt_mask.repeat_interleave(num_samples, 0)
     if compact and not synced_gpus and not return_logits:
-        ids, mask = prompt_ids.repeat_interleave(num_samples, 0), prompt_mask.repeat_interleave(num_samples, 0)
         with eval_mode(model):
-            out = sample_compacting(model, ids, mask, max_new_tokens=sampling.max_new_tokens, eos_token_id=eos,
-                                    pad_token_id=pad, temperature=sampling.temperature, top_k=sampling.top_k,
-                                    top_p=sampling.top_p, do_sample=not sampling.greedy)
+            out = sample_compacting(model, ids, mask, max_new_tokens=sampling.max_new_tokens,
+                                    eos_token_id=eos, pad_token_id=pad, temperature=sampling.temperature,
+                                    top_k=sampling.top_k, top_p=sampling.top_p, do_sample=not sampling.greedy)
         return make_generation(ids, mask, out, eos, pad)
     prefix = {}
     if num_samples > 1 and prompt_ids.shape[1] > 1 and policy.share_prompts:
         prefix = prefilled_cache(model, prompt_ids, prompt_mask, num_samples)
-    ids, mask = prompt_ids.repeat_interleave(num_samples, 0), prompt_mask.repeat_interleave(num_samples, 0)
     options = {"do_sample": False}
     if not sampling.greedy:
         options = {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k,

@@ -86,7 +86,8 @@ class LogProbPasses:
         def score(scorer: Any) -> Tensor:
             joiner = policy if scorer is policy or getattr(scorer, "shares_weights", False) else None
             return score_rollout(scorer, rollout, temperature=self.temperature,
-                                 micro_batch_size=self.micro_batch_size, collectives=collectives, joiner=joiner)
+                                 micro_batch_size=self.micro_batch_size, collectives=collectives,
+                                 joiner=joiner)
 
         start = time.perf_counter()
         if reference is not None:

@@ -13,11 +13,17 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from lightning_rl.adapters import is_peft_model
 from lightning_rl.engine import Generation, SamplingParams, completion_mask, hf_generate
-from lightning_rl.scoring import ReferencePolicy, TokenScorer, disable_dropout
+from lightning_rl.scoring import ReferencePolicy, TokenScorer, disable_dropout, enable_gradient_checkpointing
 
 __all__ = ["Generation", "Policy", "completion_mask"]
 
@@ -123,13 +129,8 @@ class Policy(TokenScorer):
         return self.tokenizer.eos_token_id
 
     def enable_gradient_checkpointing(self) -> None:
-        """Recompute activations in backward. Non-reentrant, so frozen (e.g. PEFT) inputs work."""
-        kwargs = {"use_reentrant": False}
-        # transformers 5.x renamed the method (the old name warns); older releases only have the old one.
-        if hasattr(self.model, "activation_checkpointing_enable"):
-            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        """Recompute activations in backward (non-reentrant: frozen PEFT inputs work)."""
+        enable_gradient_checkpointing(self.model)
 
     def disable_dropout(self) -> None:
         """Set every dropout probability to 0, so train-mode log-probs match sampling-time ones."""
@@ -192,7 +193,8 @@ class Policy(TokenScorer):
         sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                   top_k=top_k, do_sample=do_sample)
         return hf_generate(self, prompt_ids, prompt_mask, num_samples=num_samples, sampling=sampling,
-                           compact=self.compact_sampling, synced_gpus=synced_gpus, return_logits=return_logits)
+                           compact=self.compact_sampling, synced_gpus=synced_gpus,
+                           return_logits=return_logits)
 
     def _scoring(self) -> tuple[nn.Module, AbstractContextManager]:
         return self.model, nullcontext()

@@ -291,14 +291,15 @@ class RewardPipeline:
         return rewards, scores
 
     def __call__(self, prompts: Sequence[Any], texts: list[str], lengths: list[int], columns: dict[str, list],
-                 *, collectives: Any = None) -> RewardResult:
-        """Score one batch. ``collectives``: decide whether too many rewards failed (every rank once per
-        step, on its first batch; a refill round passes ``None``: its count is rank-dependent)."""
+                 *, collectives: Any = None, decide: bool = True) -> RewardResult:
+        """Score one batch; warnings on rank 0. ``decide``: whether too many rewards failed, on counts summed
+        over ranks (every rank once per step, on its first batch; refill rounds are rank-dependent in
+        number, so they never decide, their failures are counted and warned about)."""
         import torch
 
         start = time.perf_counter()
         rewards, scores = self.score(prompts, texts, lengths, columns)
-        if collectives is not None:
+        if collectives is not None and decide:
             self.check_failures(scores, collectives)
         if collectives is None or collectives.rank == 0:
             for errors in scores.errors:

@@ -17,10 +17,11 @@ import torch
 from torch import Tensor, nn
 
 from lightning_rl.scoring import (
-    _keep_kwargs,
     base_model,
     cache_argument,
     filter_logits,
+    keep_logits,
+    position_ids,
     returned_cache,
     shared_prompts,
 )
@@ -61,7 +62,7 @@ def sample_compacting(
             cache.batch_select_indices(keep)
         attention = torch.cat([mask[rows], torch.ones(len(rows), t + 1, dtype=torch.long, device=device)], 1)
         step = model(token[:, None], attention_mask=attention, position_ids=(lengths[rows] + t)[:, None],
-                     use_cache=True, **{name: cache}, **_keep_kwargs(model, 1))
+                     use_cache=True, **{name: cache}, **keep_logits(model, 1))
         logits, cache = step.logits[:, -1], returned_cache(step)
     return out
 
@@ -71,8 +72,8 @@ def _prefill(model: nn.Module, prompt_ids: Tensor, mask: Tensor) -> tuple[Tensor
     shared = shared_prompts(prompt_ids, mask)
     first, inverse = shared if shared is not None else (None, None)
     ids, m = (prompt_ids, mask) if first is None else (prompt_ids[first], mask[first])
-    out = model(ids, attention_mask=m, position_ids=(m.cumsum(-1) - 1).clamp(min=0), use_cache=True,
-                **_keep_kwargs(model, 1))
+    out = model(ids, attention_mask=m, position_ids=position_ids(m), use_cache=True,
+                **keep_logits(model, 1))
     logits, cache = out.logits[:, -1], returned_cache(out)
     if inverse is not None:
         cache.batch_select_indices(inverse)

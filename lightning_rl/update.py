@@ -94,7 +94,7 @@ class Updater:
         return [rollout.select(part) for part in torch.tensor_split(order, self.num_minibatches)]
 
     def run(self, rollout: Rollout, trained: list[TrainedModel], hooks: UpdateHooks,
-            collectives: Collectives, generator: torch.Generator) -> Iterator[tuple[dict[str, Tensor], float]]:
+            collectives: Collectives, generator: torch.Generator) -> Iterator[tuple[dict, float]]:
         """Every update of the step; yields each micro-batch's metrics and its share of the minibatch."""
         for _ in range(self.ppo_epochs):
             for minibatch in self.split(rollout, generator):

@@ -12,4 +12,5 @@ from lightning_rl.algorithms.rloo import RLOO
 from lightning_rl.algorithms.sapo import SAPO
 from lightning_rl.algorithms.sft import SFT
 
-__all__ = ["DAPO", "DPO", "GRPO", "GSPO", "SAPO", "SFT", "OnlineRL", "PPO", "RLOO", "PolicyModule", "RewardModel"]
+__all__ = ["DAPO", "DPO", "GRPO", "GSPO", "PPO", "RLOO", "SAPO", "SFT", "OnlineRL", "PolicyModule",
+           "RewardModel"]

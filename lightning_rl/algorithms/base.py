@@ -6,12 +6,10 @@
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
-import numpy as np
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -24,11 +22,13 @@ from lightning_rl.adapters import (
     trainable_parameters,
     wrap_model,
 )
-from lightning_rl.data.validation import VAL_WEIGHT_KEY
 from lightning_rl.engine import Generation, HFEngine, RolloutEngine, SamplingParams
+from lightning_rl.keys import VAL_WEIGHT_KEY
 from lightning_rl.models import load_policy
 from lightning_rl.policy import Policy
+from lightning_rl.prompts import batch_columns, real_rows, render_prompts
 from lightning_rl.rewards import import_reward
+from lightning_rl.rng import collect_rng_states, restore_rng_states
 from lightning_rl.sharding import (
     needs_synced_generation,
     refuse_fsdp1,
@@ -36,26 +36,6 @@ from lightning_rl.sharding import (
     strategy_is,
     validate_fsdp_args,
 )
-
-
-def render_prompts(tokenizer: Any, prompts: Sequence[Any], chat_template: bool) -> list[str]:
-    """Prompt texts as the model sees them.
-
-    A prompt that is a list of ``{"role", "content"}`` messages is always rendered with the
-    tokenizer's chat template; a plain string is rendered as one user message when ``chat_template``.
-    """
-    out = []
-    for p in prompts:
-        if isinstance(p, str) and not chat_template:
-            out.append(p)
-            continue
-        messages = [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError(
-                "`model.chat_template` is on (or prompts are messages) but the tokenizer has no chat template"
-            )
-        out.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-    return out
 
 
 class PolicyModule(L.LightningModule):
@@ -115,17 +95,8 @@ class PolicyModule(L.LightningModule):
         validate_fsdp_args(fsdp_param_dtype, fsdp_reduce_dtype)
         if max_prompt_length < 1 or max_new_tokens < 1:
             raise ValueError("`model.max_prompt_length` and `model.max_new_tokens` must be >= 1")
-        self.policy = load_policy(model, dtype, trust_remote_code)
-        if peft is not None:  # before any reference is built: it is then this model with adapters disabled
-            self.policy = Policy(wrap_model(self.policy.model, peft), self.policy.tokenizer)
-        if is_peft_model(self.policy.model):  # from `peft`, or a PeftModel built by the user
-            self.register_state_dict_post_hook(drop_frozen_weights)
-            self.register_load_state_dict_post_hook(allow_missing_frozen)
-            trainable, total = parameter_counts(self.policy)
-            rank_zero_info(f"PEFT: training {trainable:,} of {total:,} parameters ({trainable / total:.2%})")
-        elif export_merged:
-            rank_zero_warn("`model.export_merged` has no effect without adapters (`model.peft`): the policy "
-                           "folder holds the full weights anyway")
+        policy = load_policy(model, dtype, trust_remote_code)
+        self.policy = self.load_with_adapters(policy, peft, export_merged)
         self.export_merged = export_merged
         if gradient_checkpointing:
             self.policy.enable_gradient_checkpointing()
@@ -135,6 +106,21 @@ class PolicyModule(L.LightningModule):
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
         self.fsdp_cpu_offload = fsdp_cpu_offload
         self.fsdp_param_dtype, self.fsdp_reduce_dtype = fsdp_param_dtype, fsdp_reduce_dtype
+
+    def load_with_adapters(self, policy: Policy, peft: Any, export_merged: bool) -> Policy:
+        """The policy wrapped with ``peft`` adapters (before any reference is built: it is then this model
+        with adapters disabled); checkpoints of a PEFT model hold the adapters only."""
+        if peft is not None:
+            policy = Policy(wrap_model(policy.model, peft), policy.tokenizer)
+        if is_peft_model(policy.model):  # from `peft`, or a PeftModel built by the user
+            self.register_state_dict_post_hook(drop_frozen_weights)
+            self.register_load_state_dict_post_hook(allow_missing_frozen)
+            trainable, total = parameter_counts(policy)
+            rank_zero_info(f"PEFT: training {trainable:,} of {total:,} parameters ({trainable / total:.2%})")
+        elif export_merged:
+            rank_zero_warn("`model.export_merged` has no effect without adapters (`model.peft`): the policy "
+                           "folder holds the full weights anyway")
+        return policy
 
     @property
     def tokenizer(self) -> Any:
@@ -346,7 +332,7 @@ class PolicyModule(L.LightningModule):
         rank as many batches, are generated for, then left out). See ``WritePredictions`` for the fields.
         """
         from lightning_rl.callbacks.predictions import WritePredictions
-        from lightning_rl.data.prompts import ROW_INDEX_KEY
+        from lightning_rl.keys import ROW_INDEX_KEY
 
         if not hasattr(self, "engine"):
             raise ValueError(f"`predict` generates completions: {type(self).__name__} has no policy to run")
@@ -423,48 +409,5 @@ class PolicyModule(L.LightningModule):
             self.policy.save_pretrained(path)
 
 
-def collect_rng_states() -> dict[str, Any]:
-    """Python, NumPy, torch (and CUDA) RNG states, in types ``torch.load(weights_only=True)`` accepts."""
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    states = {
-        "torch": torch.get_rng_state(),
-        "python": [version, list(internal), gauss],
-        "numpy": [kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)],
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["torch.cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def restore_rng_states(states: dict[str, Any]) -> None:
-    """Set the RNG states saved by :func:`collect_rng_states`."""
-    torch.set_rng_state(states["torch"])
-    version, internal, gauss = states["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = states["numpy"]
-    np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
-    if "torch.cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["torch.cuda"])
-
-
 def has_callback(trainer: L.Trainer, kind: type) -> bool:
     return any(isinstance(cb, kind) for cb in trainer.callbacks)
-
-
-def batch_columns(batch: dict[str, list]) -> dict[str, list]:
-    """Every data column except the prompt, passed to reward functions as keyword arguments."""
-    return {k: v for k, v in batch.items() if k != "prompt" and k != VAL_WEIGHT_KEY}
-
-
-def real_rows(batch: dict[str, list]) -> tuple[dict[str, list], float]:
-    """A validation batch without its placeholder rows, and how many held-out rows it holds.
-
-    A batch of placeholders only (a rank whose share ran out) keeps its first row, with weight 0.
-    """
-    weights = batch.get(VAL_WEIGHT_KEY)
-    if weights is None:
-        return batch, float(len(batch["prompt"]))
-    keep = [i for i, w in enumerate(weights) if w > 0] or [0]
-    rows = {k: [v[i] for i in keep] for k, v in batch.items() if k != VAL_WEIGHT_KEY}
-    return rows, float(sum(weights[i] for i in keep))

@@ -23,8 +23,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_rl.algorithms.base import PolicyModule, batch_columns, real_rows
-from lightning_rl.data.preference import EncodedPairs, encode_pairs
 from lightning_rl.losses import DPO_LOSS_TYPES, DPOLossType, aggregate, dpo_loss
+from lightning_rl.pairs import EncodedPairs, encode_pairs
 from lightning_rl.sharding import needs_synced_generation
 
 REFERENCE = "reference"

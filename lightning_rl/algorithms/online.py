@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_rl.algorithms.base import PolicyModule, batch_columns, render_prompts
+from lightning_rl.algorithms.base import PolicyModule
 from lightning_rl.algorithms.stepping import ManualSteps
 from lightning_rl.collectives import Collectives
 from lightning_rl.engine import RolloutEngine
@@ -28,6 +28,7 @@ from lightning_rl.filters import DynamicSampling, RolloutFilter
 from lightning_rl.logprobs import BehaviourSource, LogProbPasses, resolve_behaviour, score_values
 from lightning_rl.losses import Aggregation, KLEstimator, RatioLevel, TrustRegion, aggregate, masked_mean
 from lightning_rl.objective import Objective
+from lightning_rl.prompts import batch_columns, render_prompts
 from lightning_rl.reward_model import RewardModelScorer
 from lightning_rl.rewards import RewardPipeline, RewardScorer, import_reward
 from lightning_rl.rollout import Rollout, exclude_nonfinite, merge_stats, rollout_stats
@@ -81,45 +82,44 @@ class OnlineRL(ManualSteps, PolicyModule):
         behaviour_logp: BehaviourSource = "auto", ppo_epochs: int = 1, num_minibatches: int = 1,
         micro_batch_size: int | None = None, max_grad_norm: float | None = 1.0,
         ratio_level: RatioLevel = "token", trust_region: TrustRegion = "clip", clip_low: float = 0.2,
-        clip_high: float = 0.2, clip_ratio_c: float | None = None, tau_pos: float = 1.0, tau_neg: float = 1.05,
-        aggregation: Aggregation = "seq-mean-token-mean", kl_coef: float = 0.0, kl_estimator: KLEstimator = "k3",
+        clip_high: float = 0.2, clip_ratio_c: float | None = None, tau_pos: float = 1.0,
+        tau_neg: float = 1.05, aggregation: Aggregation = "seq-mean-token-mean", kl_coef: float = 0.0,
+        kl_estimator: KLEstimator = "k3",
         kl_in_reward: bool = False, kl_target: float | None = None, kl_horizon: int = 10000,
         entropy_coef: float = 0.0, share_prompt_prefix: bool = True, rollout_seed: int = 0, **kwargs: Any,
     ) -> None:
         super().__init__(*args, engine=engine, **kwargs)
         self.automatic_optimization = False
         self.advantage = advantage if advantage is not None else GroupNormalized()
-        if num_generations < self.advantage.min_group_size:
-            raise ValueError(f"`model.num_generations` must be >= {self.advantage.min_group_size} for "
-                             f"{type(self.advantage).__name__} advantages, got {num_generations}")
-        if entropy_coef < 0 or not temperature > 0 or kl_horizon < 1 or (kl_target is not None and kl_target <= 0):
-            raise ValueError("`model.entropy_coef` must be >= 0, `model.temperature` > 0, `model.kl_horizon` "
-                             ">= 1 and `model.kl_target` > 0 or null")
-        if kl_target is not None and not (kl_in_reward and kl_coef > 0):
-            raise ValueError("`model.kl_target` (adaptive KL) needs `model.kl_in_reward: true` and `model.kl_coef` > 0")
+        check_keys(num_generations, self.advantage, entropy_coef, temperature, kl_in_reward, kl_coef,
+                   kl_target, kl_horizon)
         self.num_generations, self.sampling = num_generations, self.sampling_params(temperature, top_p, top_k)
         self.objective = Objective(
             ratio_level=ratio_level, trust_region=trust_region, clip_low=clip_low, clip_high=clip_high,
             clip_ratio_c=clip_ratio_c, tau_pos=tau_pos, tau_neg=tau_neg, aggregation=aggregation,
             kl_coef=0.0 if kl_in_reward else kl_coef, kl_estimator=kl_estimator)
-        self.kl_reward = KLInReward(kl_coef, kl_estimator, kl_target, kl_horizon) if kl_in_reward and kl_coef else None
+        in_reward = kl_in_reward and kl_coef > 0
+        self.kl_reward = KLInReward(kl_coef, kl_estimator, kl_target, kl_horizon) if in_reward else None
         self.updater = Updater(ppo_epochs, num_minibatches, micro_batch_size, max_grad_norm)
-        self.rewards = RewardScorer(reward_fns or ["lightning_rl.rewards:exact_match"], reward_weights,
-                                    on_reward_error, max_reward_error_frac) if reward_fns or not reward_model else None
+        default = None if reward_model else ["lightning_rl.rewards:exact_match"]
+        functions = reward_fns if reward_fns is not None else default
+        self.rewards = RewardScorer(functions, reward_weights, on_reward_error, max_reward_error_frac) \
+            if functions is not None else None
         self.correctness_fn = import_reward(correctness_fn) if correctness_fn else self.accuracy_fn
         scorer = RewardModelScorer(reward_model, trust_remote_code=kwargs.get("trust_remote_code", False)) \
             if reward_model else None  # a plain object: never checkpointed or optimised
         self.reward_pipeline = RewardPipeline(
             self.rewards, self.correctness_fn, reward_model=scorer, reward_model_weight=reward_model_weight,
-            render=self.render_for_reward_model, overlong=self.overlong(overlong_buffer, overlong_penalty_factor))
+            render=self.render_for_reward_model,
+            overlong=self.overlong(overlong_buffer, overlong_penalty_factor))
         self.filters = ([DynamicSampling(max_gen_batches)] if dynamic_sampling else []) + list(filters or [])
         self.behaviour_logp = behaviour_logp
         resolve_behaviour(behaviour_logp, self.updater.updates_per_rollout, self.engine)  # fails early
         self.mask_truncated, self.entropy_coef = mask_truncated, entropy_coef
         self.share_prompt_prefix, self.rollout_seed = share_prompt_prefix, rollout_seed
         self.critic: Any = None  # PPO's value model: a second trained model
-        # The reference is the policy as loaded (also when resuming: the checkpoint's weights arrive later).
-        # A plain __dict__ entry: frozen, out of the module tree, checkpoints and optimisers.
+        # The reference is the policy as loaded (also when resuming: the checkpoint's weights arrive later), a
+        # plain __dict__ entry: frozen, out of the module tree, checkpoints and optimisers.
         needs_reference = self.objective.needs_reference or self.kl_reward is not None
         self.__dict__["_reference"] = self.policy.reference() if needs_reference else None
         self._generation_round = 0
@@ -133,7 +133,8 @@ class OnlineRL(ManualSteps, PolicyModule):
         return (self.max_new_tokens, buffer, factor) if buffer else None
 
     def render_for_reward_model(self, prompts: list[Any]) -> tuple[list[str], bool]:
-        return render_prompts(self.tokenizer, prompts, self.chat_template), all(self.add_special_tokens(prompts))
+        texts = render_prompts(self.tokenizer, prompts, self.chat_template)
+        return texts, all(self.add_special_tokens(prompts))
 
     # ---- the step ---------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
@@ -151,9 +152,10 @@ class OnlineRL(ManualSteps, PolicyModule):
         rollout, more = self.estimate(rollout, collectives)
         self.observe(rollout)
         update_start = time.perf_counter()
-        generator = torch.Generator().manual_seed(self.rollout_seed * 1_000_003 + self.trainer.fit_loop.total_batch_idx)
-        for metrics, share in self.updater.run(rollout, self.trained_models(), self.update_hooks(), collectives,
-                                              generator):
+        step = self.trainer.fit_loop.total_batch_idx
+        generator = torch.Generator().manual_seed(self.rollout_seed * 1_000_003 + step)
+        trained, hooks = self.trained_models(), self.update_hooks()
+        for metrics, share in self.updater.run(rollout, trained, hooks, collectives, generator):
             self.step_metrics.add(self.device, metrics, share)
         step_time = time.perf_counter() - start
         stats = merge_stats(merge_stats(stats, extra), {
@@ -162,9 +164,10 @@ class OnlineRL(ManualSteps, PolicyModule):
             "perf/tokens_per_sec": stats["perf/generated_tokens"] / step_time})
         self.end_step(stats)
 
-    def sample(self, batch: dict[str, list], collectives: Collectives | None) -> tuple[Rollout, dict[str, float]]:
-        """The engine's G samples per prompt of ``batch``, scored by the reward pipeline (``collectives``:
-        decide the reward-failure limit, the step's first batch only)."""
+    def sample(self, batch: dict[str, list], collectives: Collectives | None,
+               decide: bool = True) -> tuple[Rollout, dict[str, float]]:
+        """The engine's G samples per prompt of ``batch``, scored by the reward pipeline (``decide``: the
+        reward-failure limit, on the step's first batch only)."""
         G, prompts = self.num_generations, batch["prompt"]
         seed = hash((self.rollout_seed, self.trainer.fit_loop.total_batch_idx, self._generation_round,
                      self.global_rank)) % 2**31
@@ -175,7 +178,7 @@ class OnlineRL(ManualSteps, PolicyModule):
         texts = self.decode(gen.completion_ids, gen.completion_mask)
         columns = {k: [v for v in vals for _ in range(G)] for k, vals in batch_columns(batch).items()}
         result = self.reward_pipeline([p for p in prompts for _ in range(G)], texts, gen.lengths.tolist(),
-                                      columns, collectives=collectives)
+                                      columns, collectives=collectives, decide=decide)
         group_ids = torch.arange(len(prompts), device=self.device).repeat_interleave(G)
         rollout = Rollout.from_generation(gen, group_ids, result.rewards.to(self.device),
                                           result.correct.to(self.device), self.mask_truncated)
@@ -187,7 +190,7 @@ class OnlineRL(ManualSteps, PolicyModule):
         refill_batch = getattr(self.trainer.datamodule, "refill_batch", None)
         if refill_batch is None:
             raise RuntimeError("dynamic sampling needs a DataModule with `refill_batch()` (PromptDataModule)")
-        rollout, stats = self.sample(refill_batch(), None)
+        rollout, stats = self.sample(refill_batch(), Collectives(self.trainer), decide=False)
         stats.pop("rollout/overlong_penalty_mean")  # a mean: the first round's stands for the step
         return rollout, stats
 
@@ -205,7 +208,8 @@ class OnlineRL(ManualSteps, PolicyModule):
         """What the updater trains: the policy (PPO adds its critic)."""
         return [TrainedModel("policy", self.policy, self.optimizers(), self.policy_loss, ("policy/loss",))]
 
-    def policy_loss(self, micro: Rollout, num_tokens: torch.Tensor, num_seqs: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def policy_loss(self, micro: Rollout, num_tokens: torch.Tensor,
+                    num_seqs: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """The objective (normalised by the minibatch's global counts) minus the entropy bonus."""
         logp, entropy = self.policy.token_logprobs(micro.prompt_ids, micro.prompt_mask, micro.completion_ids,
                                                    micro.attention_mask, with_entropy=True,
@@ -243,3 +247,20 @@ class OnlineRL(ManualSteps, PolicyModule):
                          weight: float) -> None:
         rewards, _ = self.reward_pipeline.score(batch["prompt"], completions, lengths, batch_columns(batch))
         self.log_val_mean("val/reward_mean", rewards.mean(), weight)
+
+
+def check_keys(num_generations: int, advantage: AdvantageEstimator, entropy_coef: float, temperature: float,
+               kl_in_reward: bool, kl_coef: float, kl_target: float | None, kl_horizon: int) -> None:
+    """Ranges and combinations of ``OnlineRL``'s own keys, each error naming its YAML key."""
+    if num_generations < advantage.min_group_size:
+        raise ValueError(f"`model.num_generations` must be >= {advantage.min_group_size} for "
+                         f"{type(advantage).__name__} advantages, got {num_generations}")
+    checks = {"entropy_coef": entropy_coef >= 0, "temperature": temperature > 0,
+              "kl_horizon": kl_horizon >= 1, "kl_target": kl_target is None or kl_target > 0,
+              "kl_coef": kl_coef >= 0}
+    for key, ok in checks.items():
+        if not ok:
+            raise ValueError(f"`model.{key}` is out of range, got {locals()[key]}")
+    if kl_target is not None and not (kl_in_reward and kl_coef > 0):
+        raise ValueError("`model.kl_target` (adaptive KL) needs `model.kl_in_reward: true` and "
+                         "`model.kl_coef` > 0")

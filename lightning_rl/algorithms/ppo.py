@@ -21,6 +21,7 @@ from lightning_rl.critic import load_critic
 from lightning_rl.estimators import GAE, AdvantageEstimator
 from lightning_rl.losses import Aggregation, KLEstimator, value_loss
 from lightning_rl.rollout import Rollout
+from lightning_rl.scoring import enable_gradient_checkpointing
 from lightning_rl.sharding import zero_loss
 from lightning_rl.update import TrainedModel
 
@@ -34,7 +35,8 @@ class PPO(OnlineRL):
             a folder or hub id that ``AutoModelForTokenClassification`` loads with one label (a causal LM, a
             reward model from ``configs/reward_model.yaml``, a saved critic) with the policy's vocabulary.
         critic_optimizer, critic_lr_scheduler: the critic's optimiser and scheduler factories.
-        vf_coef: weight of the value loss. value_clip: clip range around the rollout-time values (``None``: off).
+        vf_coef: weight of the value loss.
+        value_clip: clip range around the rollout-time values (``None``: off).
         gamma, lam, whiten_advantages: GAE's discount and lambda, and global whitening (``advantage`` unset).
         kl_in_reward, kl_coef, kl_estimator, kl_target, kl_horizon: the KL to the reference, by default a
             per-token ``k1`` penalty in the reward; ``kl_in_reward: false`` uses the in-loss term.
@@ -53,7 +55,8 @@ class PPO(OnlineRL):
         clip_low: float = 0.2, clip_high: float = 0.2, **kwargs: Any,
     ) -> None:
         advantage = advantage if advantage is not None else GAE(gamma, lam, whiten_advantages)
-        super().__init__(*args, num_generations=num_generations, advantage=advantage, kl_in_reward=kl_in_reward,
+        super().__init__(*args, num_generations=num_generations, advantage=advantage,
+                         kl_in_reward=kl_in_reward,
                          kl_coef=kl_coef, kl_estimator=kl_estimator, aggregation=aggregation,
                          clip_low=clip_low, clip_high=clip_high, **kwargs)
         checks = {"vf_coef": vf_coef > 0, "kl_coef": kl_coef >= 0, "critic_warmup": critic_warmup >= 0,
@@ -64,7 +67,7 @@ class PPO(OnlineRL):
         remote = kwargs.get("trust_remote_code", False)
         self.critic = load_critic(critic_model, self.policy, trust_remote_code=remote)
         if kwargs.get("gradient_checkpointing"):
-            self.critic.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_gradient_checkpointing(self.critic.model)
         self.critic_optimizer_factory, self.critic_scheduler_factory = critic_optimizer, critic_lr_scheduler
         self.vf_coef, self.value_clip, self.critic_warmup = vf_coef, value_clip, critic_warmup
 

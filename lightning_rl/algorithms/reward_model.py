@@ -16,20 +16,34 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from lightning_rl.algorithms.base import PolicyModule, real_rows
-from lightning_rl.callbacks import ExportPolicy
+from lightning_rl.algorithms.base import PolicyModule, has_callback, real_rows
 from lightning_rl.losses import reward_model_loss
 from lightning_rl.reward_model import load_reward_network, pair_texts
 from lightning_rl.scoring import disable_dropout as zero_dropout
+from lightning_rl.scoring import enable_gradient_checkpointing
 
 
-class ExportRewardModel(ExportPolicy):
-    """:class:`~lightning_rl.callbacks.ExportPolicy` writing ``<trainer.log_dir>/reward_model`` by default."""
+class ExportRewardModel(L.Callback):
+    """At the end of ``fit``, write the reward model and its tokenizer as
+    :class:`~lightning_rl.callbacks.ExportPolicy` writes a policy (which it runs), to ``dirpath`` or by
+    default ``<trainer.log_dir>/reward_model``.
+
+    Not a subclass of ``ExportPolicy``: the core imports nothing from ``lightning_rl.callbacks`` when it is
+    imported, only when a callback runs.
+    """
+
+    def __init__(self, dirpath: str | None = None) -> None:
+        self.dirpath = dirpath
 
     def target(self, trainer: L.Trainer) -> str:
         if self.dirpath is not None:
             return self.dirpath
         return os.path.join(trainer.log_dir or trainer.default_root_dir, "reward_model")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from lightning_rl.callbacks import ExportPolicy
+
+        ExportPolicy(self.target(trainer)).on_train_end(trainer, pl_module)
 
 
 class RewardModel(PolicyModule):
@@ -88,7 +102,7 @@ class RewardModel(PolicyModule):
             )
         self.policy = load_reward_network(model, dtype, trust_remote_code, new_head=True, key="model.model")
         if gradient_checkpointing:
-            _enable_gradient_checkpointing(self.policy.model)
+            enable_gradient_checkpointing(self.policy.model)
         if disable_dropout:
             zero_dropout(self.policy.model)  # the argument shadows the function's name
         self.chat_template, self.max_length = chat_template, max_length
@@ -116,9 +130,13 @@ class RewardModel(PolicyModule):
                 _margin_value(row.get(self.margin_column), self.margin_column, f"{split} row {i}")
 
     def configure_callbacks(self) -> list[L.Callback]:
-        """``PolicyModule``'s, with the export writing ``<log_dir>/reward_model``."""
+        """``PolicyModule``'s, with the export writing ``<log_dir>/reward_model`` (unless the trainer already
+        has an ``ExportRewardModel``, e.g. one with its own ``dirpath``)."""
+        from lightning_rl.callbacks import ExportPolicy
+
+        export = [] if has_callback(self.trainer, ExportRewardModel) else [ExportRewardModel()]
         callbacks = super().configure_callbacks()
-        return [ExportRewardModel() if type(cb) is ExportPolicy else cb for cb in callbacks]
+        return [new for cb in callbacks for new in (export if type(cb) is ExportPolicy else [cb])]
 
     # ---- the loss ----------------------------------------------------------------------------
     def pair_loss(self, batch: dict[str, list]) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
@@ -158,16 +176,6 @@ class RewardModel(PolicyModule):
         self.log_val_mean("val/rm/loss", loss, weight)
         for name, value in metrics.items():
             self.log_val_mean(f"val/{name}", value, weight)
-
-
-def _enable_gradient_checkpointing(model: torch.nn.Module) -> None:
-    """Non-reentrant activation checkpointing (transformers 5 renamed the method; older releases have the
-    old name only)."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _margin_value(value: Any, column: str, where: str) -> float:

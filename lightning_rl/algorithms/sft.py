@@ -12,6 +12,7 @@ import torch
 
 from lightning_rl.algorithms.base import PolicyModule
 from lightning_rl.losses import aggregate
+from lightning_rl.pairs import pad_rows
 
 
 class SFT(PolicyModule):
@@ -44,13 +45,7 @@ class SFT(PolicyModule):
         eos, pad = self.policy.eos_token_id, self.policy.pad_token_id
         rows = [ids + [eos] for ids in self.tokenizer(list(answers), add_special_tokens=False)["input_ids"]]
         cut = sum(len(r) > self.max_completion_length for r in rows) / len(rows)
-        rows = [r[: self.max_completion_length] for r in rows]
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, : len(r)] = torch.tensor(r)
-            mask[i, : len(r)] = 1
+        ids, mask = pad_rows([r[: self.max_completion_length] for r in rows], pad, left=False)
         return ids.to(self.device), mask.to(self.device), cut
 
     def training_step(self, batch: dict[str, list], batch_idx: int) -> torch.Tensor:

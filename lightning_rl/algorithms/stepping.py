@@ -17,6 +17,7 @@ import torch
 
 from lightning_rl.adapters import trainable_parameters
 from lightning_rl.metrics import StepMetrics
+from lightning_rl.scoring import is_gradient_checkpointing
 from lightning_rl.sharding import (
     collective_forward,
     deepspeed_engine,
@@ -55,7 +56,8 @@ class ManualSteps:
         super().setup(stage)
 
     def deepspeed_defaults(self) -> dict[str, Any]:
-        """Under DeepSpeed the engine clips (after unscaling, on its partitions): ``max_grad_norm`` goes there."""
+        """Under DeepSpeed the engine clips (after unscaling, on its partitions): ``max_grad_norm`` goes
+        there."""
         return {**super().deepspeed_defaults(), "gradient_clipping": self.updater.max_grad_norm or 0.0}
 
     def configure_model(self) -> None:
@@ -74,7 +76,7 @@ class ManualSteps:
         # depend on each rank's data) and under gradient checkpointing (which turns the cache off)
         model = self.policy.model
         share = (self.share_prompt_prefix and not collective_forward(model)
-                 and not getattr(model, "is_activation_checkpointing", False))
+                 and not is_gradient_checkpointing(model))
         self.policy.share_prompts = share
         if self._reference is not None:
             self._reference.share_prompts = share
@@ -111,7 +113,8 @@ class ManualSteps:
 
     # ---- the updater's hooks -------------------------------------------------------------------------
     def update_hooks(self) -> UpdateHooks:
-        return UpdateHooks(backward=self.manual_backward, accumulating=self.accumulating, step=self.step_trained)
+        return UpdateHooks(backward=self.manual_backward, accumulating=self.accumulating,
+                           step=self.step_trained)
 
     def accumulating(self, roots: list[Any], last: bool) -> Any:
         """The context of one micro-batch's backward: gradients are reduced over ranks only for the last."""
