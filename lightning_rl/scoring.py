@@ -63,10 +63,39 @@ def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     return flat.reshape(shape)
 
 
-def _keep_kwargs(model: nn.Module, keep: int) -> dict[str, int]:
-    """``logits_to_keep=keep`` for models whose forward takes it (older: ``num_logits_to_keep``)."""
+def keep_logits(model: nn.Module, keep: int) -> dict[str, int]:
+    """``{"logits_to_keep": keep}`` for models whose forward takes it (every causal LM of ``transformers``
+    5), else ``{}``: spread into a forward call so the LM head runs on the last ``keep`` positions only."""
     params = inspect.signature(base_model(model).forward).parameters
-    return {name: keep for name in ("logits_to_keep", "num_logits_to_keep") if name in params}
+    return {"logits_to_keep": keep} if "logits_to_keep" in params else {}
+
+
+_keep_kwargs = keep_logits  # the old private name, until its importers switch to `keep_logits`
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Recompute ``model``'s activations in backward (a ``transformers`` model, or PEFT around one).
+
+    Non-reentrant, so inputs that need no gradient (frozen embeddings under PEFT) still give gradients to
+    the layers after them. ``transformers`` 5.23 renamed the method to ``activation_checkpointing_enable``
+    (the old name warns from then on); 5.0-5.22 have only ``gradient_checkpointing_enable``.
+    """
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def is_gradient_checkpointing(model: nn.Module) -> bool:
+    """Whether activation (gradient) checkpointing is on anywhere in ``model``.
+
+    Reads the ``gradient_checkpointing`` flag that ``transformers`` sets on its layers (what both
+    ``is_activation_checkpointing``, 5.23+, and the older ``is_gradient_checkpointing`` read), so it
+    needs no version branch and does not warn.
+    """
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def _completion_logits(
@@ -76,26 +105,23 @@ def _completion_logits(
     """``[N, C, V]`` logits predicting each completion token, from one forward over prompt + completion."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
-    # Left padding shifts every token: positions must count real tokens only (absolute-position
-    # models such as GPT-2 are off by ~0.4 nats otherwise).
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     # Position t predicts token t+1: completion tokens come from positions P-1 .. P+C-2. Asking
     # the model for the last C+1 positions only skips the [N, P, V] prompt logits.
     keep = completion_ids.shape[1] + 1
-    out = model(input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                **_keep_kwargs(model, keep))
+    out = model(input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                use_cache=False, **keep_logits(model, keep))
     return out.logits[:, -keep:-1]
 
 
 def cache_argument(model: nn.Module) -> str:
-    """The name under which ``model`` takes a KV cache: ``cache`` (newer transformers) or
-    ``past_key_values``."""
+    """The name under which ``model`` takes a KV cache: ``cache`` (``transformers`` 5.24+, where
+    ``past_key_values`` is a deprecated alias) or ``past_key_values`` (5.0-5.23)."""
     named = "cache" in inspect.signature(base_model(model).forward).parameters
     return "cache" if named else "past_key_values"
 
 
 def returned_cache(out: Any) -> Any:
-    """The KV cache of a model output, under either name."""
+    """The KV cache of a model output, under either name (see :func:`cache_argument`)."""
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
 
@@ -124,14 +150,13 @@ def _prefix_shared_logits(
     result and its gradient equal the one-pass form (to float rounding).
     """
     prefix = model(prompt_ids[first], attention_mask=prompt_mask[first].long(),
-                   position_ids=(prompt_mask[first].long().cumsum(-1) - 1).clamp(min=0), use_cache=True,
-                   **_keep_kwargs(model, 1))
+                   position_ids=position_ids(prompt_mask[first]), use_cache=True, **keep_logits(model, 1))
     cache = returned_cache(prefix)
     cache.batch_select_indices(inverse)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
     lengths = prompt_mask.long().sum(1, keepdim=True)
     steps = torch.arange(completion_ids.shape[1], device=completion_ids.device)
-    keep = _keep_kwargs(model, completion_ids.shape[1])
+    keep = keep_logits(model, completion_ids.shape[1])
     out = model(completion_ids, attention_mask=attention_mask, position_ids=lengths + steps, use_cache=True,
                 **{cache_argument(model): cache}, **keep)
     return torch.cat([prefix.logits[:, -1:][inverse], out.logits[:, :-1]], dim=1)
@@ -164,8 +189,8 @@ def _valid_position_logprobs(
     shared = shared_prompts(prompt_ids, prompt_mask)
     first, inverse = shared if shared is not None else (torch.arange(len(prompt_ids)), None)
     mask = prompt_mask.long()
-    prefix = decoder(prompt_ids[first], attention_mask=mask[first],
-                     position_ids=(mask[first].cumsum(-1) - 1).clamp(min=0), use_cache=True)
+    prefix = decoder(prompt_ids[first], attention_mask=mask[first], position_ids=position_ids(mask[first]),
+                     use_cache=True)
     cache = returned_cache(prefix)
     last = prefix.last_hidden_state[:, -1:]
     if inverse is not None:
