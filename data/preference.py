@@ -1,9 +1,10 @@
-"""PreferenceDataModule: (prompt, chosen, rejected) pairs for DPO, and their tokenisation.
+"""PreferenceDataModule: (prompt, chosen, rejected) pairs for DPO and reward-model training.
 
 Rows stay raw (dicts of strings or chat messages) like ``PromptDataModule``'s: the LightningModule owns
-the tokenizer and calls :func:`encode_pairs`. Training batches come from the same endless, seeded
-``PromptStream`` whose position is saved in the checkpoint, so a resumed run sees exactly the pairs an
-uninterrupted run would.
+the tokenizer and calls :func:`~lightning_rl.pairs.encode_pairs`. The tokenisation lives in the core
+module ``lightning_rl.pairs`` (``EncodedPairs``, ``encode_pairs`` and ``render_pair`` stay importable from
+here). Training batches come from the same endless, seeded ``PromptStream`` whose position is saved in the
+checkpoint, so a resumed run sees exactly the pairs an uninterrupted run would.
 
 Accepted row forms (TRL's): plain text (``prompt``, ``chosen``, ``rejected`` strings); conversational,
 with ``prompt`` a list of ``{"role", "content"}`` messages and ``chosen`` / ``rejected`` lists holding
@@ -21,7 +22,6 @@ import argparse
 import json
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,121 +30,16 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_rl.data.prompts import RowsDataModule, check_rows, load_rows, row_locator
 from lightning_rl.data.sort_task import SortTask
+from lightning_rl.pairs import EncodedPairs, encode_pairs, render_pair
 
 FILES = Path(__file__).resolve().parent / "files"
 BUILTIN_TRAIN = FILES / "sort_pairs_train.jsonl"
 BUILTIN_VAL = FILES / "sort_pairs_val.jsonl"
 
-
-# ------------------------------------------------------------------------------------------ tokenisation
-@dataclass
-class EncodedPairs:
-    """A tokenised batch of ``B`` pairs: rows ``0..B-1`` are the chosen, ``B..2B-1`` the rejected sequences.
-
-    Attributes:
-        prompt_ids: ``[2B, P]`` long, left-padded (each prompt appears twice).
-        prompt_mask: ``[2B, P]`` long 0/1, 1 on real prompt tokens.
-        completion_ids: ``[2B, C]`` long, right-padded; EOS ends each completion unless cut.
-        completion_mask: ``[2B, C]`` long 0/1, 1 on the completion tokens that are scored.
-        prompt_truncated: pairs whose prompt lost tokens on the left (``max_prompt_length``).
-        completion_truncated: completions (of the ``2B``) cut on the right (``max_completion_length``).
-    """
-
-    prompt_ids: torch.Tensor
-    prompt_mask: torch.Tensor
-    completion_ids: torch.Tensor
-    completion_mask: torch.Tensor
-    prompt_truncated: int
-    completion_truncated: int
-
-    def to(self, device: torch.device | str) -> EncodedPairs:
-        move = {k: getattr(self, k).to(device)
-                for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
-        return EncodedPairs(
-            **move, prompt_truncated=self.prompt_truncated, completion_truncated=self.completion_truncated
-        )
-
-
-def _messages(value: Any, role: str) -> list[dict[str, Any]]:
-    return [{"role": role, "content": value}] if isinstance(value, str) else list(value)
-
-
-def render_pair(tokenizer: Any, prompt: Any, completion: Any, chat_template: bool) -> tuple[str, str, bool]:
-    """Render one prompt and one completion as text.
-
-    Plain strings are used as they are unless ``chat_template``. Otherwise (or when either is a list of
-    messages) the prompt is rendered with the chat template and a generation prompt, the completion is
-    the rest of the rendered full conversation, as in TRL.
-
-    Returns:
-        ``(prompt_text, completion_text, templated)``.
-    """
-    if isinstance(prompt, str) and isinstance(completion, str) and not chat_template:
-        return prompt, completion, False
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(
-            "conversational rows (or `model.chat_template`) need a tokenizer with a chat template"
-        )
-    prompt_msgs = _messages(prompt, "user")
-    prompt_text = tokenizer.apply_chat_template(prompt_msgs, tokenize=False, add_generation_prompt=True)
-    full = tokenizer.apply_chat_template(prompt_msgs + _messages(completion, "assistant"), tokenize=False)
-    if not full.startswith(prompt_text):
-        raise ValueError(
-            f"the chat template does not render prompt {prompt!r} as a prefix of prompt + completion; "
-            "use plain-text rows or a template whose generation prompt is a prefix"
-        )
-    return prompt_text, full[len(prompt_text) :], True
-
-
-def _pad(rows: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        span = slice(width - len(r), width) if left else slice(0, len(r))
-        ids[i, span] = torch.tensor(r, dtype=torch.long)
-        mask[i, span] = 1
-    return ids, mask
-
-
-def encode_pairs(
-    tokenizer: Any,
-    prompts: list[Any],
-    chosen: list[Any],
-    rejected: list[Any],
-    *,
-    max_prompt_length: int,
-    max_completion_length: int,
-    chat_template: bool = False,
-) -> EncodedPairs:
-    """Tokenise ``B`` pairs into one ``2B``-row batch (chosen rows first) for a single forward pass.
-
-    Prompts keep their last ``max_prompt_length`` tokens (cut on the left, so the text nearest the answer
-    stays); completions get EOS appended (unless the chat template already ended the turn with it) and
-    keep their first ``max_completion_length`` tokens. Plain-text prompts are encoded with the
-    tokenizer's special tokens (as ``Policy.encode_prompts`` does for generation); templated text and
-    completions without them.
-    """
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    pad = eos if pad is None else pad
-    prompt_rows: list[list[int]] = []
-    completion_rows: list[list[int]] = []
-    prompt_cut = completion_cut = 0
-    for side in (chosen, rejected):
-        for p, c in zip(prompts, side, strict=True):
-            p_text, c_text, templated = render_pair(tokenizer, p, c, chat_template)
-            p_ids = tokenizer(p_text, add_special_tokens=not templated)["input_ids"]
-            c_ids = tokenizer(c_text, add_special_tokens=False)["input_ids"]
-            if eos not in c_ids:
-                c_ids = c_ids + [eos]
-            if side is chosen:  # count each pair's prompt once
-                prompt_cut += len(p_ids) > max_prompt_length
-            completion_cut += len(c_ids) > max_completion_length
-            prompt_rows.append(p_ids[-max_prompt_length:])
-            completion_rows.append(c_ids[:max_completion_length])
-    prompt_ids, prompt_mask = _pad(prompt_rows, pad, left=True)
-    completion_ids, completion_mask = _pad(completion_rows, pad, left=False)
-    return EncodedPairs(prompt_ids, prompt_mask, completion_ids, completion_mask, prompt_cut, completion_cut)
+__all__ = [
+    "BUILTIN_TRAIN", "BUILTIN_VAL", "EncodedPairs", "PreferenceDataModule", "encode_pairs", "make_sort_pairs",
+    "render_pair", "sort_pairs", "split_implicit_prompt",
+]
 
 
 # ------------------------------------------------------------------------------------------------- rows

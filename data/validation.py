@@ -5,6 +5,8 @@ size, so a metric averaged over ranks counts some rows twice. Here row ``i`` goe
 ``i % world`` and nothing is repeated; ranks whose share runs out early still yield a batch (one row
 with weight 0, ``VAL_WEIGHT_KEY``) so that every rank runs the same number of validation steps, and
 the modules leave weight-0 rows out of their metrics (``lightning_rl.algorithms.base.real_rows``).
+``VAL_WEIGHT_KEY`` lives in ``lightning_rl.keys`` (the modules read it without importing this package);
+it stays importable from here.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from typing import Any
 
 from torch.utils.data import IterableDataset
 
+from lightning_rl.keys import VAL_WEIGHT_KEY
+
 # Lightning warns that `__len__` of an IterableDataset may be wrong with several loader workers; the
 # shard is read in the main process (num_workers=0), where its length is exact.
 warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
 
-VAL_WEIGHT_KEY = "_weight"  # per-row weight of a validation batch: 1 for a held-out row, 0 for padding
+__all__ = ["VAL_WEIGHT_KEY", "ValidationShard"]
 
 
 class ValidationShard(IterableDataset):
