@@ -21,9 +21,10 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_rl.data.sort_task import SortTask
 from lightning_rl.data.validation import ValidationShard
+from lightning_rl.keys import ROW_INDEX_KEY  # defined in the core; still importable from here
+from lightning_rl.models import hub_error, hub_unreachable, looks_local
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-ROW_INDEX_KEY = "_row"  # column of a predict batch: each row's index in the predict rows
 
 
 def load_rows(
@@ -50,9 +51,6 @@ def load_rows(
     """
     import datasets
     import huggingface_hub
-
-    # imported here: lightning_rl.models imports this package
-    from lightning_rl.models import hub_error, hub_unreachable, looks_local
 
     local = Path(path).expanduser()
     if looks_local(path) and not local.exists():

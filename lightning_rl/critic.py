@@ -9,7 +9,6 @@ has a bias, which starts at 0). The critic reads the policy's token ids, so its 
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,9 +16,9 @@ from torch import Tensor, nn
 from transformers import AutoModelForTokenClassification
 
 from lightning_rl.adapters import base_state_dict, is_peft_model
-from lightning_rl.models import EMBEDDED_MODEL, hub_error, hub_unreachable, looks_local
+from lightning_rl.models import load_pretrained, torch_dtype
 from lightning_rl.policy import Policy
-from lightning_rl.scoring import base_model, disable_dropout
+from lightning_rl.scoring import base_model, disable_dropout, position_ids
 
 
 def _head(model: nn.Module) -> nn.Linear | None:
@@ -61,8 +60,8 @@ class Critic(nn.Module):
         """
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        out = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                         use_cache=False)
         keep = completion_ids.shape[1] + 1
         values = out.logits[:, -keep:-1, 0].float()
         return values.masked_fill(completion_mask == 0, 0.0)
@@ -115,28 +114,22 @@ def load_critic(
     """The critic named by ``source`` (the config key ``key``, for messages), or one from the policy.
 
     ``source`` may be ``None`` (the policy's weights), ``builtin:tiny-sort``, a local folder or a hub id
-    of any model ``AutoModelForTokenClassification`` can build (a causal LM, a reward model, a critic).
+    of any model ``AutoModelForTokenClassification`` can build (a causal LM, a reward model, a critic),
+    loaded by :func:`~lightning_rl.models.load_pretrained` (a missing folder or an unreachable hub fails at
+    once, naming ``key``). ``dtype`` None keeps the checkpoint's dtype.
     """
     if source is None:
         return critic_from_policy(policy)
-    path = EMBEDDED_MODEL if source == "builtin:tiny-sort" else source
     kwargs: dict[str, Any] = {"num_labels": 1, "trust_remote_code": trust_remote_code}
     if dtype is not None:
-        kwargs["dtype"] = dtype
-    if looks_local(path):
-        if not Path(path).expanduser().is_dir():
-            raise FileNotFoundError(f"`{key}`: model folder not found: {source}")
-    elif (reason := hub_unreachable()) is not None:
-        kwargs["local_files_only"] = True
-        try:
-            return _load(path, kwargs, policy, key)
-        except OSError:
-            raise ConnectionError(hub_error(source, key, reason, "a local folder")) from None
-    return _load(path, kwargs, policy, key)
+        kwargs["dtype"] = torch_dtype(dtype, key)
 
+    def load(path: str, offline: bool) -> tuple[nn.Module, dict[str, Any]]:
+        return AutoModelForTokenClassification.from_pretrained(
+            path, output_loading_info=True, local_files_only=offline, **kwargs
+        )
 
-def _load(path: str, kwargs: dict[str, Any], policy: Policy, key: str) -> Critic:
-    model, info = AutoModelForTokenClassification.from_pretrained(path, output_loading_info=True, **kwargs)
+    model, info = load_pretrained(source, load, key=key, builtins=("builtin:tiny-sort",))
     ours = policy.model.get_input_embeddings().num_embeddings
     theirs = model.get_input_embeddings().num_embeddings
     if theirs != ours:

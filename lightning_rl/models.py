@@ -5,10 +5,12 @@ library; its warm-started weights (``configs/sft.yaml``) ship as package data in
 ``lightning_rl/data/tiny_sort``, so every config runs with no network. Any other ``model`` value is a
 hub id or a local folder passed to ``from_pretrained``.
 
-A value that is plainly a path (see :func:`looks_local`) is never sent to the hub: a missing folder fails
-at once. A hub id is only downloaded after one short probe of the hub; when the hub cannot be reached the
-local cache is used, or the load fails at once with a message saying how to point at a local folder
-(``transformers`` alone retries for ~50 s and then blames the repo id).
+:func:`load_pretrained` is the one loader of ``builtin:`` names, local folders and hub ids, used for the
+policy, the critic and the reward model. A value that is plainly a path (see :func:`looks_local`) is never
+sent to the hub: a missing folder fails at once. A hub id is only downloaded after one short probe of the
+hub; when the hub cannot be reached the local cache is used, or the load fails at once with a message
+saying how to point at a local folder (``transformers`` alone retries for ~50 s and then blames the repo
+id). Errors name the YAML key.
 
 The tokenizer is saved as an ordinary Hugging Face tokenizer folder, which ``AutoTokenizer`` reloads
 unchanged when the model config is a Llama one (a Qwen2 config would rebuild it as a BPE
@@ -19,16 +21,26 @@ from __future__ import annotations
 
 import os
 import string
-from importlib.resources import files
+from collections.abc import Callable, Sequence
+from importlib.util import find_spec
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
+import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from lightning_rl.policy import Policy
+if TYPE_CHECKING:
+    from lightning_rl.policy import Policy
 
-EMBEDDED_MODEL = str(files("lightning_rl.data") / "tiny_sort")
+T = TypeVar("T")
+# The package data folder of `lightning_rl.data`, located without importing that package (the core does
+# not depend on the data package; find_spec only imports the parent, `lightning_rl`).
+EMBEDDED_MODEL = str(Path(find_spec("lightning_rl.data").origin).parent / "tiny_sort")
 BUILTIN_MODELS = ("builtin:tiny-sort", "builtin:tiny-scratch")
+# `dtype` values of the YAML (`model.dtype`, ...) and what `from_pretrained(dtype=...)` receives
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+LOCAL_HINT = "a local save_pretrained folder (e.g. `./my-model`)"
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
 # Endings that make a value a file path, never a hub id (hub names may hold dots: `Qwen/Qwen2.5-0.5B`).
@@ -128,33 +140,83 @@ def hub_error(value: str, key: str, reason: str, local_hint: str) -> str:
     )
 
 
-def load_pretrained(
-    name_or_path: str, dtype: str | None = None, trust_remote_code: bool = False, key: str = "model.model"
-) -> Policy:
-    """``Policy.from_pretrained`` for a local folder or hub id that fails fast, naming ``key``.
+def resolve_builtin(name_or_path: str, key: str, builtins: Sequence[str] = BUILTIN_MODELS) -> str:
+    """The folder of ``builtin:tiny-sort`` (:data:`EMBEDDED_MODEL`), or ``name_or_path`` unchanged when it is
+    not a ``builtin:`` name. The caller builds any other built-in it accepts (``builtin:tiny-scratch``, from
+    a config) before calling; ``builtins`` lists them all for the error message.
 
     Raises:
-        FileNotFoundError: a local path (:func:`looks_local`) that does not exist.
-        NotADirectoryError: a local path that is a file, not a ``save_pretrained`` folder.
+        ValueError: any other ``builtin:`` name, naming ``key``.
+    """
+    if name_or_path == "builtin:tiny-sort":
+        return EMBEDDED_MODEL
+    if name_or_path.startswith("builtin:"):
+        raise ValueError(f"`{key}`: unknown built-in model `{name_or_path}`; choose from {tuple(builtins)}")
+    return name_or_path
+
+
+def check_model_folder(name_or_path: str, key: str) -> Path:
+    """The folder of a local path (:func:`looks_local`), once it is known to hold a model.
+
+    Raises:
+        FileNotFoundError: the path does not exist.
+        NotADirectoryError: it is a file, or a folder with neither ``config.json`` nor ``adapter_config.json``
+            (a PEFT adapter folder, which ``transformers`` loads onto its base model).
+    """
+    folder = Path(name_or_path).expanduser()
+    if not folder.exists():
+        raise FileNotFoundError(f"`{key}`: model folder not found: {name_or_path}")
+    if not folder.is_dir():
+        raise NotADirectoryError(f"`{key}`: not a save_pretrained folder but a file: {name_or_path}")
+    if not any((folder / name).is_file() for name in ("config.json", "adapter_config.json")):
+        raise NotADirectoryError(f"`{key}`: not a save_pretrained folder (no config.json): {name_or_path}")
+    return folder
+
+
+def load_pretrained(
+    name_or_path: str,
+    load: Callable[[str, bool], T],
+    *,
+    key: str,
+    local_hint: str = LOCAL_HINT,
+    builtins: Sequence[str] = BUILTIN_MODELS,
+) -> T:
+    """``load(source, local_files_only)`` for ``builtin:tiny-sort``, a local folder or a hub id, failing fast
+    with messages that name the config key ``key``: the one loader of policies, critics and reward models.
+
+    A local path (:func:`looks_local`) is checked (:func:`check_model_folder`) and never sent to the hub. A
+    hub id is loaded when the hub answers one short probe (:func:`hub_unreachable`); otherwise only from the
+    local cache (``local_files_only=True``), and a miss there is a ``ConnectionError`` whose message tells
+    the user to set ``key`` to ``local_hint``. ``load`` does the ``from_pretrained`` calls (model, config,
+    tokenizer: all with the same ``local_files_only``).
+
+    Raises:
+        ValueError: an unknown ``builtin:`` name (:func:`resolve_builtin`).
+        FileNotFoundError / NotADirectoryError: a local path that is missing or not a model folder.
         ConnectionError: a hub id while the hub is unreachable and the id is not in the local cache.
     """
-    kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
-    if looks_local(name_or_path):
-        folder = Path(name_or_path).expanduser()
-        if not folder.exists():
-            raise FileNotFoundError(f"`{key}`: model folder not found: {name_or_path}")
-        if not folder.is_dir():
-            raise NotADirectoryError(f"`{key}`: not a save_pretrained folder but a file: {name_or_path}")
-        return Policy.from_pretrained(str(folder), **kwargs)
+    source = resolve_builtin(name_or_path, key, builtins)
+    if looks_local(source):
+        return load(str(check_model_folder(source, key)), False)
     reason = hub_unreachable()
     if reason is None:
-        return Policy.from_pretrained(name_or_path, **kwargs)
+        return load(source, False)
     try:  # a copy in the local cache still loads
-        return Policy.from_pretrained(name_or_path, local_files_only=True, **kwargs)
+        return load(source, True)
     except OSError:
-        raise ConnectionError(
-            hub_error(name_or_path, key, reason, "a local save_pretrained folder (e.g. `./my-model`)")
-        ) from None
+        raise ConnectionError(hub_error(name_or_path, key, reason, local_hint)) from None
+
+
+def torch_dtype(dtype: str | None, key: str) -> torch.dtype | str:
+    """The ``dtype`` argument of ``from_pretrained`` for a config value: one of :data:`DTYPES`' names, or
+    None for float32 (``transformers`` 5 alone would default to ``"auto"``, the checkpoint's dtype).
+
+    Raises:
+        ValueError: another name, naming ``key``.
+    """
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"`{key}`: dtype must be one of {sorted(DTYPES)} or None, got {dtype!r}")
+    return DTYPES[dtype or "float32"]
 
 
 def load_policy(
@@ -166,11 +228,15 @@ def load_policy(
     is the same architecture freshly initialised; anything else is a local folder or a hub id, loaded by
     :func:`load_pretrained` (which fails at once on a missing folder or an unreachable hub).
     """
-    if model == "builtin:tiny-sort":
-        return Policy.from_pretrained(EMBEDDED_MODEL, dtype=dtype)
+    from lightning_rl.policy import Policy  # here: policy.py may import this module
+
     if model == "builtin:tiny-scratch":
         tokenizer = build_char_tokenizer()
         return Policy.from_config(tiny_llama_config(tokenizer), tokenizer)
-    if model.startswith("builtin:"):
-        raise ValueError(f"`{key}`: unknown built-in model `{model}`; choose from {BUILTIN_MODELS}")
-    return load_pretrained(model, dtype, trust_remote_code, key)
+    return load_pretrained(
+        model,
+        lambda source, offline: Policy.from_pretrained(
+            source, dtype=dtype, trust_remote_code=trust_remote_code, local_files_only=offline
+        ),
+        key=key,
+    )

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,17 +31,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
-from lightning_rl.data.preference import _pad, render_pair
-from lightning_rl.models import (
-    BUILTIN_MODELS,
-    EMBEDDED_MODEL,
-    build_char_tokenizer,
-    hub_error,
-    hub_unreachable,
-    looks_local,
-    tiny_llama_config,
-)
-from lightning_rl.policy import _DTYPE_KWARG, _DTYPES
+from lightning_rl.models import build_char_tokenizer, load_pretrained, tiny_llama_config, torch_dtype
+from lightning_rl.pairs import pad_rows, render_pair
+from lightning_rl.scoring import position_ids
 
 SCORER_KEY = "model.reward_model"
 
@@ -94,7 +85,7 @@ def encode_texts(
             raise ValueError(f"text {i} has no tokens: nothing to score")
         cut += len(ids) > max_length
         rows.append(ids[-max_length:])
-    ids, mask = _pad(rows, tokenizer.pad_token_id, left=False)
+    ids, mask = pad_rows(rows, tokenizer.pad_token_id, left=False)
     return EncodedTexts(ids, mask, cut)
 
 
@@ -106,7 +97,7 @@ def pair_texts(
     chat_template: bool,
 ) -> tuple[list[str], list[bool]]:
     """The ``2B`` texts of ``B`` preference pairs (chosen rows first) and their ``add_special_tokens``
-    flags: prompt + completion rendered as in DPO (:func:`~lightning_rl.data.preference.render_pair`).
+    flags: prompt + completion rendered as in DPO (:func:`~lightning_rl.pairs.render_pair`).
     """
     texts, flags = [], []
     for side in (chosen, rejected):
@@ -160,8 +151,8 @@ class RewardNetwork(nn.Module):
         output (``transformers``' rule: the last token that is not the pad token).
         """
         mask = attention_mask.long()
-        kwargs = {"input_ids": input_ids, "attention_mask": mask,
-                  "position_ids": (mask.cumsum(-1) - 1).clamp_min(0), "use_cache": False}
+        kwargs = {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids(mask),
+                  "use_cache": False}
         head = getattr(self.model, "score", None)
         if not isinstance(head, nn.Module):
             return self.model(**kwargs).logits[:, 0].float()
@@ -189,25 +180,6 @@ class RewardNetwork(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------- loading
-def _local_or_hub(name_or_path: str, key: str) -> tuple[str, str | None]:
-    """``(source for from_pretrained, why the hub is unreachable or None)``; a missing local folder fails
-    at once, naming ``key``."""
-    if name_or_path == "builtin:tiny-sort":
-        return EMBEDDED_MODEL, None
-    if name_or_path.startswith("builtin:"):
-        raise ValueError(f"`{key}`: unknown built-in model `{name_or_path}`; choose from {BUILTIN_MODELS}")
-    if looks_local(name_or_path):
-        folder = Path(name_or_path).expanduser()
-        if not folder.exists():
-            raise FileNotFoundError(f"`{key}`: model folder not found: {name_or_path}")
-        if not folder.is_dir() or not (folder / "config.json").is_file():
-            raise NotADirectoryError(
-                f"`{key}`: not a save_pretrained folder (no config.json): {name_or_path}"
-            )
-        return str(folder), None
-    return name_or_path, hub_unreachable()
-
-
 def _check_labels(config: Any, name_or_path: str, key: str) -> None:
     """A sequence-classification checkpoint must have exactly one label (a scalar reward)."""
     archs = getattr(config, "architectures", None) or []
@@ -246,29 +218,27 @@ def load_reward_network(
         ValueError: an unknown dtype or ``builtin:`` name; more than one label; a fresh head when
             ``new_head`` is False; backbone weights that did not load (an architecture mismatch).
     """
-    if dtype is not None and dtype not in _DTYPES:
-        raise ValueError(f"`{key}`: dtype must be one of {sorted(_DTYPES)} or None, got {dtype!r}")
-    torch_dtype = _DTYPES[dtype or "float32"]
+    dtype_arg = torch_dtype(dtype, key)
     if name_or_path == "builtin:tiny-scratch":
         tokenizer = build_char_tokenizer()
         config = tiny_llama_config(tokenizer)
         config.num_labels = 1
         _refuse_new_head(new_head, name_or_path, "freshly initialised", key)
         model = AutoModelForSequenceClassification.from_config(config)
-        return RewardNetwork(model.to(torch_dtype) if torch_dtype != "auto" else model, tokenizer)
-    source, offline = _local_or_hub(name_or_path, key)
-    kwargs = {"trust_remote_code": trust_remote_code, "local_files_only": offline is not None}
-    try:
+        return RewardNetwork(model.to(dtype_arg) if dtype_arg != "auto" else model, tokenizer)
+
+    def load(source: str, offline: bool) -> tuple[Any, PreTrainedModel, dict[str, Any], Any]:
+        kwargs = {"trust_remote_code": trust_remote_code, "local_files_only": offline}
         config = AutoConfig.from_pretrained(source, **kwargs)
         _check_labels(config, name_or_path, key)
         model, info = AutoModelForSequenceClassification.from_pretrained(
-            source, num_labels=1, output_loading_info=True, **{_DTYPE_KWARG: torch_dtype}, **kwargs
+            source, num_labels=1, output_loading_info=True, dtype=dtype_arg, **kwargs
         )
-        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-    except OSError:
-        if offline is None:
-            raise
-        raise ConnectionError(hub_error(name_or_path, key, offline, "a local reward-model folder")) from None
+        return config, model, info, AutoTokenizer.from_pretrained(source, **kwargs)
+
+    config, model, info, tokenizer = load_pretrained(
+        name_or_path, load, key=key, local_hint="a local reward-model folder"
+    )
     _check_loaded(model, info, name_or_path, new_head, config, key)
     return RewardNetwork(model, tokenizer)
 
