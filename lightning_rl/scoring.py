@@ -70,9 +70,6 @@ def keep_logits(model: nn.Module, keep: int) -> dict[str, int]:
     return {"logits_to_keep": keep} if "logits_to_keep" in params else {}
 
 
-_keep_kwargs = keep_logits  # the old private name, until its importers switch to `keep_logits`
-
-
 def enable_gradient_checkpointing(model: nn.Module) -> None:
     """Recompute ``model``'s activations in backward (a ``transformers`` model, or PEFT around one).
 
