@@ -280,9 +280,15 @@ class PolicyModule(L.LightningModule):
         """Completions of ``prompts`` from the module's engine (attached to the policy here: sharded weights
         make every rank keep generating until all finish, whatever their lengths)."""
         ids, mask = self.encode_prompts(prompts)
+        return self.generate_tokens(ids, mask, num_samples=num_samples, sampling=sampling, seed=seed)
+
+    def generate_tokens(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, num_samples: int = 1,
+                        sampling: SamplingParams, seed: int | None = None) -> Generation:
+        """:meth:`generate` for prompts already encoded (left-padded ids and mask)."""
         self.engine.attach(self.policy, synced=needs_synced_generation(self._trainer, self.policy.model),
                            compact=self.compact_sampling_allowed())
-        return self.engine.generate(ids, mask, num_samples=num_samples, sampling=sampling, seed=seed)
+        return self.engine.generate(prompt_ids, prompt_mask, num_samples=num_samples, sampling=sampling,
+                                    seed=seed)
 
     def greedy(self, prompts: Sequence[Any]) -> tuple[list[str], list[int]]:
         """Greedy completions of ``prompts`` and their lengths in tokens (EOS included)."""

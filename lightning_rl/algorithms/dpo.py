@@ -25,7 +25,6 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_rl.algorithms.base import PolicyModule, batch_columns, real_rows
 from lightning_rl.losses import DPO_LOSS_TYPES, DPOLossType, aggregate, dpo_loss
 from lightning_rl.pairs import EncodedPairs, encode_pairs
-from lightning_rl.sharding import needs_synced_generation
 
 REFERENCE = "reference"
 
@@ -233,10 +232,8 @@ class DPO(PolicyModule):
     def _greedy_accuracy(self, batch: dict[str, list], enc: EncodedPairs, weight: float) -> None:
         """``val/accuracy``: greedy completions of the (truncated) prompts scored by ``accuracy_fn``."""
         n = len(batch["prompt"])
-        gen = self.policy.generate(
-            enc.prompt_ids[:n], enc.prompt_mask[:n], max_new_tokens=self.max_new_tokens, do_sample=False,
-            synced_gpus=needs_synced_generation(self._trainer, self.policy.model),  # ranks' lengths differ
-        )
+        gen = self.generate_tokens(enc.prompt_ids[:n], enc.prompt_mask[:n],
+                                   sampling=self.sampling_params(do_sample=False))
         completions = self.decode(gen.completion_ids, gen.completion_mask)
         scores = self.correct(batch["prompt"], completions, batch_columns(batch))
         self.log_val_mean("val/accuracy", torch.tensor([float(x) for x in scores]).mean(), weight)
