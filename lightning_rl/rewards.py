@@ -228,6 +228,17 @@ class RewardScorer:
         return out, bad
 
 
+def overlong_shaping(buffer: int | str | None, factor: float,
+                     max_new_tokens: int) -> tuple[int, int, float] | None:
+    """``(max_len, buffer, factor)`` of DAPO's overlong shaping for ``RewardPipeline``, or ``None`` when off
+    (``buffer`` None or 0); ``auto``: a fifth of ``max_new_tokens``, at least 1."""
+    buffer = max(1, max_new_tokens // 5) if buffer == "auto" else buffer
+    if buffer is not None and not 0 <= buffer <= max_new_tokens:
+        raise ValueError(f"`model.overlong_buffer` must be 'auto' or in "
+                         f"[0, max_new_tokens={max_new_tokens}], got {buffer}")
+    return (max_new_tokens, buffer, factor) if buffer else None
+
+
 def overlong_reward(completion_lengths: Sequence[int], max_len: int, cache_len: int) -> list[float]:
     """DAPO's soft overlong punishment per completion (see ``losses.overlong_penalty``)."""
     import torch

@@ -56,8 +56,8 @@ def spy_generations(module) -> list[tuple[dict, Rollout]]:
     every refill), before any filter."""
     seen, original = [], module.sample
 
-    def spy(batch, collectives):
-        rollout, stats = original(batch, collectives)
+    def spy(batch, collectives, decide=True):
+        rollout, stats = original(batch, collectives, decide)
         seen.append((batch, rollout))
         return rollout, stats
 

@@ -349,8 +349,8 @@ def test_end_to_end(tmp_path, cls, kw, max_steps, rl_steps, extra, absent):
     before = params(module)
     cap, generated, original = Capture(), [], module.sample
 
-    def spy(batch, collectives):  # every generation round (refills too), with the RL step it belongs to
-        rollout, stats = original(batch, collectives)
+    def spy(batch, collectives, decide=True):  # every generation round (refills too), with its RL step
+        rollout, stats = original(batch, collectives, decide)
         generated.append((module.trainer.fit_loop.total_batch_idx, rollout))
         return rollout, stats
 

@@ -275,6 +275,12 @@ class PolicyModule(L.LightningModule):
         """Whether the engine may use the compacting sampler (``OnlineRL``: ``share_prompt_prefix``)."""
         return False
 
+    def attach_engine(self) -> RolloutEngine:
+        """Bind the engine to the policy (cheap, every time: the strategy decides ``synced``)."""
+        self.engine.attach(self.policy, synced=needs_synced_generation(self._trainer, self.policy.model),
+                           compact=self.compact_sampling_allowed())
+        return self.engine
+
     def generate(self, prompts: Sequence[Any], *, num_samples: int = 1, sampling: SamplingParams,
                  seed: int | None = None) -> Generation:
         """Completions of ``prompts`` from the module's engine (attached to the policy here: sharded weights
@@ -285,8 +291,7 @@ class PolicyModule(L.LightningModule):
     def generate_tokens(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, num_samples: int = 1,
                         sampling: SamplingParams, seed: int | None = None) -> Generation:
         """:meth:`generate` for prompts already encoded (left-padded ids and mask)."""
-        self.engine.attach(self.policy, synced=needs_synced_generation(self._trainer, self.policy.model),
-                           compact=self.compact_sampling_allowed())
+        self.attach_engine()
         return self.engine.generate(prompt_ids, prompt_mask, num_samples=num_samples, sampling=sampling,
                                     seed=seed)
 

@@ -14,7 +14,6 @@ log-prob is still not finite leaves the loss (``loss_mask``), not the context (`
 from __future__ import annotations
 
 import time
-from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
@@ -30,8 +29,8 @@ from lightning_rl.losses import Aggregation, KLEstimator, RatioLevel, TrustRegio
 from lightning_rl.objective import Objective
 from lightning_rl.prompts import batch_columns, render_prompts
 from lightning_rl.reward_model import RewardModelScorer
-from lightning_rl.rewards import RewardPipeline, RewardScorer, import_reward
-from lightning_rl.rollout import Rollout, exclude_nonfinite, merge_stats, rollout_stats
+from lightning_rl.rewards import RewardPipeline, RewardScorer, import_reward, overlong_shaping
+from lightning_rl.rollout import Rollout, exclude_nonfinite, merge_stats
 from lightning_rl.update import TrainedModel, Updater
 
 
@@ -111,7 +110,7 @@ class OnlineRL(ManualSteps, PolicyModule):
         self.reward_pipeline = RewardPipeline(
             self.rewards, self.correctness_fn, reward_model=scorer, reward_model_weight=reward_model_weight,
             render=self.render_for_reward_model,
-            overlong=self.overlong(overlong_buffer, overlong_penalty_factor))
+            overlong=overlong_shaping(overlong_buffer, overlong_penalty_factor, self.max_new_tokens))
         self.filters = ([DynamicSampling(max_gen_batches)] if dynamic_sampling else []) + list(filters or [])
         self.behaviour_logp = behaviour_logp
         resolve_behaviour(behaviour_logp, self.updater.updates_per_rollout, self.engine)  # fails early
@@ -124,14 +123,6 @@ class OnlineRL(ManualSteps, PolicyModule):
         self.__dict__["_reference"] = self.policy.reference() if needs_reference else None
         self._generation_round = 0
 
-    def overlong(self, buffer: int | str | None, factor: float) -> tuple[int, int, float] | None:
-        """``(max_len, buffer, factor)`` of the overlong shaping, validated; ``None`` when off."""
-        buffer = max(1, self.max_new_tokens // 5) if buffer == "auto" else buffer
-        if buffer is not None and not 0 <= buffer <= self.max_new_tokens:
-            raise ValueError(f"`model.overlong_buffer` must be 'auto' or in [0, max_new_tokens="
-                             f"{self.max_new_tokens}], got {buffer}")
-        return (self.max_new_tokens, buffer, factor) if buffer else None
-
     def render_for_reward_model(self, prompts: list[Any]) -> tuple[list[str], bool]:
         texts = render_prompts(self.tokenizer, prompts, self.chat_template)
         return texts, all(self.add_special_tokens(prompts))
@@ -140,6 +131,8 @@ class OnlineRL(ManualSteps, PolicyModule):
     def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
         start, collectives = time.perf_counter(), Collectives(self.trainer)
         self._generation_round = 0
+        self.attach_engine().sync_weights(self.policy)  # after the optimiser steps of the previous step
+        sync_time = time.perf_counter() - start
         rollout, stats = self.sample(batch, collectives)
         for rollout_filter in self.filters:
             rollout, extra = rollout_filter(rollout, self.refill, collectives)
@@ -160,6 +153,7 @@ class OnlineRL(ManualSteps, PolicyModule):
         step_time = time.perf_counter() - start
         stats = merge_stats(merge_stats(stats, extra), {
             **more, "rollout/excluded_tokens": excluded, "perf/step_time": step_time,
+            "perf/weight_sync_time": sync_time,
             "perf/update_time": time.perf_counter() - update_start,
             "perf/tokens_per_sec": stats["perf/generated_tokens"] / step_time})
         self.end_step(stats)
@@ -223,21 +217,6 @@ class OnlineRL(ManualSteps, PolicyModule):
         metrics["policy/entropy"] = masked_mean(entropy.detach(), micro.loss_mask.bool())
         metrics["policy/loss"] = loss
         return loss, metrics
-
-    # ---- observing --------------------------------------------------------------------------------
-    def observe(self, rollout: Rollout) -> None:
-        if len(rollout):
-            for name, (value, weight) in rollout_stats(rollout).items():
-                self.step_metrics.add(self.device, {name: value}, weight)
-        for cb in self.rl_callbacks():
-            cb.on_rollout_end(self.trainer, self, rollout)
-
-    def end_step(self, stats: dict[str, float]) -> None:
-        self.step_metrics.add_stats(self.device, stats)
-        self.step_metrics.log(self.device, lambda name, value: self.log(
-            name, value, on_step=True, on_epoch=False, batch_size=1, prog_bar=name == "rollout/reward_mean"))
-        for cb in self.rl_callbacks():
-            cb.on_step_end(self.trainer, self, MappingProxyType(stats))
 
     def correct(self, prompts: list[Any], completions: list[str], columns: dict[str, list]) -> list[Any]:
         """Per-completion correctness by ``correctness_fn``: rollouts and ``val/accuracy`` alike."""

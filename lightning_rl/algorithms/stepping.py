@@ -11,12 +11,14 @@ LR schedulers. One trainer step is one policy update: a second optimiser steps t
 from __future__ import annotations
 
 import contextlib
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from lightning_rl.adapters import trainable_parameters
 from lightning_rl.metrics import StepMetrics
+from lightning_rl.rollout import Rollout, rollout_stats
 from lightning_rl.scoring import is_gradient_checkpointing
 from lightning_rl.sharding import (
     collective_forward,
@@ -168,3 +170,18 @@ class ManualSteps:
         critic = {id(p) for p in self.critic.parameters()} if self.critic is not None else set()
         name = "critic" if any(id(p) in critic for p in params) else "policy"
         self.step_metrics.add(self.device, {f"{name}/grad_norm": norm.detach()})
+
+    # ---- observing: stages return numbers, this module logs them, callbacks read them ----------
+    def observe(self, rollout: Rollout) -> None:
+        if len(rollout):
+            for name, (value, weight) in rollout_stats(rollout).items():
+                self.step_metrics.add(self.device, {name: value}, weight)
+        for cb in self.rl_callbacks():
+            cb.on_rollout_end(self.trainer, self, rollout)
+
+    def end_step(self, stats: dict[str, float]) -> None:
+        self.step_metrics.add_stats(self.device, stats)
+        self.step_metrics.log(self.device, lambda name, value: self.log(
+            name, value, on_step=True, on_epoch=False, batch_size=1, prog_bar=name == "rollout/reward_mean"))
+        for cb in self.rl_callbacks():
+            cb.on_step_end(self.trainer, self, MappingProxyType(stats))
