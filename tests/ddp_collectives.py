@@ -4,8 +4,8 @@
 
 MODE:
     starve   DAPO where rank 1's filter never keeps a group (every group all wrong) and rank 0's keeps
-             every group; generation is synced across ranks (``synced_gpus``, as under FSDP2), so a
-             rank that generates one round more than another hangs.
+             every group; generation is synced across ranks (``synced_gpus``, as under FSDP2, through
+             the engine), so a rank that generates one round more than another hangs.
     partial  DAPO where rank 0 keeps every group and rank 1 only the groups of some prompts, so rank 1
              refills and what it trains on depends on its refill position; a ModelCheckpoint every 2
              steps (under OUT.ckpt/), and RESUME_CKPT resumes from one.
@@ -30,6 +30,7 @@ from lightning_rl.algorithms import DAPO, DPO
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.data import PromptDataModule
 from lightning_rl.data.preference import PreferenceDataModule
+from lightning_rl.engine import HFEngine
 
 MODE = os.environ.get("COLLECTIVES_MODE", "starve")
 
@@ -58,10 +59,11 @@ def reward(prompts, completions, **_):
     return [float(c) + 0.05 * len(t) for c, t in zip(correct, completions, strict=True)]
 
 
-class SyncedDAPO(DAPO):
-    @property
-    def sync_generation(self) -> bool:  # generation is a collective, as with sharded weights
-        return MODE == "starve"
+class SyncedEngine(HFEngine):
+    """The in-process engine, its generation made a collective (``synced_gpus``) as with sharded weights."""
+
+    def attach(self, policy, *, synced: bool = False, compact: bool = False) -> None:
+        super().attach(policy, synced=synced or MODE == "starve", compact=compact)
 
 
 class LocalLossDPO(DPO):
@@ -115,10 +117,10 @@ def main() -> None:
         dm = PreferenceDataModule(path=path, batch_size=1, val_fraction=0.0)
     else:
         here = "ddp_collectives"
-        module = SyncedDAPO(model="builtin:tiny-sort", max_new_tokens=6, max_prompt_length=16,
-                            num_generations=4, max_gen_batches=3, correctness_fn=f"{here}:correctness",
-                            reward_fns=[f"{here}:reward"], temperature=1.0,
-                            optimizer=partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0))
+        module = DAPO(model="builtin:tiny-sort", max_new_tokens=6, max_prompt_length=16,
+                      num_generations=4, max_gen_batches=3, correctness_fn=f"{here}:correctness",
+                      reward_fns=[f"{here}:reward"], temperature=1.0, engine=SyncedEngine(),
+                      optimizer=partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0))
         dm = PromptDataModule(batch_size=2, max_val_rows=4)
         if MODE == "partial":
             callbacks.append(L.pytorch.callbacks.ModelCheckpoint(

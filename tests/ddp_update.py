@@ -19,8 +19,26 @@ import torch
 import torch.distributed as dist
 
 from lightning_rl.algorithms import GRPO
+from lightning_rl.collectives import Collectives
 from lightning_rl.data import PromptDataModule
+from lightning_rl.logprobs import score_rollout
 from lightning_rl.rollout import Rollout
+
+
+def logprobs(module: GRPO, rollout: Rollout, scorer=None) -> torch.Tensor:
+    """``[N, C]`` log-probs of the rollout's completions under ``scorer`` (default: the policy), scored as
+    the step's log-prob passes score them (sampling temperature, the updater's micro-batches)."""
+    scorer = scorer if scorer is not None else module.policy
+    joiner = module.policy if scorer is module.policy or getattr(scorer, "shares_weights", False) else None
+    return score_rollout(scorer, rollout, temperature=module.sampling.temperature,
+                         micro_batch_size=module.updater.micro_batch_size,
+                         collectives=Collectives(module.trainer), joiner=joiner)
+
+
+def update(module: GRPO, minibatch: Rollout) -> list[tuple[dict, float]]:
+    """One optimiser step of every trained model on ``minibatch``; each micro-batch's (metrics, share)."""
+    return list(module.updater.update(minibatch, module.trained_models(), module.update_hooks(),
+                                      Collectives(module.trainer)))
 
 
 def fixed_rollout(module: GRPO) -> Rollout:
@@ -30,13 +48,18 @@ def fixed_rollout(module: GRPO) -> Rollout:
     gen = module.policy.generate(ids, mask, num_samples=4, max_new_tokens=8)
     g = torch.Generator().manual_seed(1)
     n = len(gen.completion_ids)
-    completion_mask = gen.completion_mask.clone()
-    completion_mask[3] = 0  # an empty row
-    rollout = Rollout(gen.prompt_ids, gen.prompt_mask, gen.completion_ids, completion_mask, gen.truncated,
-                      gen.lengths, torch.arange(4).repeat_interleave(4), torch.rand(n, generator=g),
-                      torch.zeros(n, dtype=torch.bool), advantages=torch.randn(n, generator=g))
-    logp = module.logprobs(rollout)
-    valid = completion_mask.bool()
+    attention_mask = gen.completion_mask.clone()
+    attention_mask[3] = 0  # an empty row
+    # row 5 keeps its first two tokens in the context but out of the loss (as excluded tokens are): the
+    # counts and normalisers read loss_mask, the forwards attention_mask
+    loss_mask = attention_mask.clone()
+    loss_mask[5, :2] = 0
+    rollout = Rollout(gen.prompt_ids, gen.prompt_mask, gen.completion_ids, attention_mask, loss_mask,
+                      gen.truncated, gen.lengths, torch.arange(4).repeat_interleave(4),
+                      torch.rand(n, generator=g), torch.zeros(n, dtype=torch.bool),
+                      advantages=torch.randn(n, generator=g))
+    logp = logprobs(module, rollout)
+    valid = attention_mask.bool()
     rollout.old_logp = torch.where(valid, logp + 0.3 * torch.randn(logp.shape, generator=g), 0.0)
     rollout.ref_logp = torch.where(valid, logp + 0.2 * torch.randn(logp.shape, generator=g), 0.0)
     return rollout
@@ -49,7 +72,7 @@ class Probe(GRPO):
         grads = {}
         for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
             self.objective = dataclasses.replace(self.objective, aggregation=mode)
-            self.update(rollout.select(torch.arange(rank, len(rollout), world)))
+            update(self, rollout.select(torch.arange(rank, len(rollout), world)))
             grads[mode] = {n: p.grad.detach().clone() for n, p in self.policy.named_parameters()}
         if rank == 0:
             torch.save(grads, sys.argv[1])

@@ -6,7 +6,7 @@ The rollout of tests/ddp_update.py; ranks take rows ``rank::world`` (``SPLIT=ran
 rank 1 none, and one process rows ``0::2``). One SGD step (lr 1, gradients clipped to ``max_grad_norm``)
 per aggregation mode, so each update moves the weights by exactly the clipped gradient. ZeRO-2/3 keep
 gradients in partitions, not in ``p.grad``: rank 0 saves the full weights after each update (gathered from
-the ZeRO-3 partitions) and the logged ``policy/grad_norm`` of each.
+the ZeRO-3 partitions) and the ``policy/grad_norm`` of each (the engine's, as handed to the step's metrics).
 """
 
 from __future__ import annotations
@@ -25,20 +25,16 @@ from lightning_rl.data import PromptDataModule
 from lightning_rl.sharding import full_state_dict, zero3_partitioned
 
 sys.path.insert(0, os.path.dirname(__file__))
-from ddp_update import fixed_rollout  # noqa: E402
+from ddp_update import fixed_rollout, update  # noqa: E402
 from deepspeed_cpu import CPUDeepSpeedStrategy  # noqa: E402
-from fsdp2_update import NormRecorder  # noqa: E402
+from fsdp2_update import record_norms  # noqa: E402
 
 SPLIT = sys.argv[5] if len(sys.argv) > 5 else "strided"
 
 
 class Probe(GRPO):
-    def rl_callbacks(self):
-        if not hasattr(self, "recorder"):
-            self.recorder = NormRecorder()
-        return [self.recorder]
-
     def training_step(self, batch, batch_idx):
+        recorder = record_norms(self)
         rollout = fixed_rollout(self)
         world, rank = self.trainer.world_size, self.global_rank
         weights = []
@@ -48,11 +44,11 @@ class Probe(GRPO):
                 rows = torch.arange(0, len(rollout), 2) if rank == 0 else torch.arange(0)
             else:
                 rows = torch.arange(rank, len(rollout), world)
-            self.update(rollout.select(rows))
+            update(self, rollout.select(rows))
             full = full_state_dict(self.policy.model) if world > 1 else self.policy.model.state_dict()
             weights.append({k: v.detach().clone() for k, v in full.items()})  # CPU state dicts alias weights
         if rank == 0:
-            result = {"weights": weights, "norms": self.recorder.norms,
+            result = {"weights": weights, "norms": recorder.norms,
                       "zero3": zero3_partitioned(self.policy.model)}
             torch.save(result, sys.argv[1])
 

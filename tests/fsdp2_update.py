@@ -6,8 +6,8 @@ The rollout of tests/ddp_update.py (16 rows, ranks take rows ``rank::world`` so 
 numbers of tokens). ``SPLIT=rank0``: rank 0 takes rows ``0::2`` and rank 1 none (its empty micro-batch
 must still join the reduce-scatter); one process then takes rows ``0::2``. Under FSDP2 the sharded
 gradients are gathered with ``full_tensor()`` (on every rank, in the same order). Gradients are clipped
-(``max_grad_norm``), so the global norm is checked too; the logged ``policy/grad_norm`` of each update
-is saved with its type.
+(``max_grad_norm``), so the global norm is checked too; the ``policy/grad_norm`` of each update, as handed
+to the step's metrics (``module.step_metrics``), is saved with its type.
 """
 
 from __future__ import annotations
@@ -24,31 +24,39 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_rl.algorithms import GRPO
 from lightning_rl.data import PromptDataModule
+from lightning_rl.metrics import StepMetrics
 from lightning_rl.sharding import full_value, is_sharded
 
 sys.path.insert(0, os.path.dirname(__file__))
-from ddp_update import fixed_rollout  # noqa: E402
+from ddp_update import fixed_rollout, update  # noqa: E402
 
 SPLIT = sys.argv[4] if len(sys.argv) > 4 else "strided"
 
 
-class NormRecorder:
+class NormRecorder(StepMetrics):
+    """The step's metrics, recording every ``policy/grad_norm`` added (its type and value) on the way."""
+
     def __init__(self) -> None:
+        super().__init__()
         self.norms: list[tuple[str, float]] = []
 
-    def on_update_end(self, trainer, module, metrics, share) -> None:
-        if "policy/grad_norm" in metrics:
-            norm = metrics["policy/grad_norm"]
+    def add(self, device, values, weight=1.0) -> None:
+        if "policy/grad_norm" in values:
+            norm = values["policy/grad_norm"]
             self.norms.append((type(norm).__name__, float(norm)))
+        super().add(device, values, weight)
+
+
+def record_norms(module) -> NormRecorder:
+    """Swap the module's step metrics for a recording one (``ManualSteps.step_metrics`` reads __dict__)."""
+    if not isinstance(module.__dict__.get("_step_metrics"), NormRecorder):
+        module.__dict__["_step_metrics"] = NormRecorder()
+    return module.__dict__["_step_metrics"]
 
 
 class Probe(GRPO):
-    def rl_callbacks(self):
-        if not hasattr(self, "recorder"):
-            self.recorder = NormRecorder()
-        return [self.recorder]
-
     def training_step(self, batch, batch_idx):
+        recorder = record_norms(self)
         rollout = fixed_rollout(self)
         world, rank = self.trainer.world_size, self.global_rank
         grads = {}
@@ -58,10 +66,10 @@ class Probe(GRPO):
                 rows = torch.arange(0, len(rollout), 2) if rank == 0 else torch.arange(0)
             else:
                 rows = torch.arange(rank, len(rollout), world)
-            self.update(rollout.select(rows))
+            update(self, rollout.select(rows))
             grads[mode] = {n: full_value(p.grad).detach().clone() for n, p in self.policy.named_parameters()}
         if rank == 0:
-            result = {"grads": grads, "norms": self.recorder.norms, "sharded": is_sharded(self.policy.model)}
+            result = {"grads": grads, "norms": recorder.norms, "sharded": is_sharded(self.policy.model)}
             torch.save(result, sys.argv[1])
 
 

@@ -5,7 +5,7 @@
 The rollout of tests/ddp_update.py, plus critic targets: rollout-time values (the critic's, perturbed) and
 returns, and per-token advantages. Ranks take rows ``rank::world`` (different token counts). SGD at lr 0,
 so the weights stay put; rank 0 saves every policy and critic gradient (FSDP2's gathered with
-``full_tensor``) and the logged critic metrics.
+``full_tensor``) and the metrics the updater yields for each micro-batch.
 """
 
 from __future__ import annotations
@@ -20,42 +20,32 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_rl.algorithms import PPO
+from lightning_rl.collectives import Collectives
 from lightning_rl.data import PromptDataModule
+from lightning_rl.logprobs import score_values
 from lightning_rl.sharding import full_value, is_sharded
 
 sys.path.insert(0, os.path.dirname(__file__))
-from ddp_update import fixed_rollout  # noqa: E402
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.metrics: list[dict[str, float]] = []
-
-    def on_update_end(self, trainer, module, metrics, share) -> None:
-        self.metrics.append({k: float(v) for k, v in metrics.items()})
+from ddp_update import fixed_rollout, update  # noqa: E402
 
 
 class Probe(PPO):
-    def rl_callbacks(self):
-        if not hasattr(self, "recorder"):
-            self.recorder = Recorder()
-        return [self.recorder]
-
     def training_step(self, batch, batch_idx):
         rollout = fixed_rollout(self)
         g = torch.Generator().manual_seed(2)
-        mask = rollout.completion_mask.bool()
-        values = self.critic_values(rollout)
+        mask = rollout.loss_mask.bool()  # advantages and value targets: 0 outside the loss
+        values = score_values(self.critic, rollout, self.updater.micro_batch_size, Collectives(self.trainer))
         rollout.values = torch.where(mask, values + 0.1 * torch.randn(values.shape, generator=g), 0.0)
         rollout.returns = torch.where(mask, torch.randn(values.shape, generator=g), 0.0)
         rollout.advantages = torch.where(mask, torch.randn(values.shape, generator=g), 0.0)
         world, rank = self.trainer.world_size, self.global_rank
-        self.update(rollout.select(torch.arange(rank, len(rollout), world)))
+        yielded = update(self, rollout.select(torch.arange(rank, len(rollout), world)))
+        metrics = [{k: float(v) for k, v in m.items()} for m, _ in yielded]
         grads = {f"{name}.{n}": full_value(p.grad).detach().clone()
                  for name, model in (("policy", self.policy), ("critic", self.critic))
                  for n, p in model.named_parameters() if p.grad is not None}
         if rank == 0:
-            torch.save({"grads": grads, "metrics": self.recorder.metrics,
+            torch.save({"grads": grads, "metrics": metrics,
                         "sharded": is_sharded(self.critic.model)}, sys.argv[1])
 
 

@@ -12,12 +12,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import launch
-from test_online_rl import fake_rollout
 
-from lightning_rl.callbacks import DAPOGroupFilter, PolicyMetrics
+from lightning_rl.collectives import Collectives
 from lightning_rl.data import PromptDataModule
+from lightning_rl.filters import DynamicSampling
+from lightning_rl.metrics import StepMetrics
+from lightning_rl.rollout import Rollout
 
 SCRIPT = Path(__file__).with_name("ddp_collectives.py")
+CPU = torch.device("cpu")
 
 
 def _launch(out: Path, mode: str, devices: int = 2, *args: str, timeout: int = 240) -> list[dict]:
@@ -26,8 +29,24 @@ def _launch(out: Path, mode: str, devices: int = 2, *args: str, timeout: int = 2
 
 
 # ------------------------------------------------------------------------------ unit: one process
+def fake_rollout(correct: list[list[int]], tag: int) -> Rollout:
+    """Groups of ``len(correct[0])`` rows, reward = correctness; ``lengths`` = 100 * tag + row, so kept rows
+    can be traced (completions of ``2 + tag`` tokens, so rounds have different widths)."""
+    G, n = len(correct[0]), len(correct) * len(correct[0])
+    flat = torch.tensor([c for group in correct for c in group], dtype=torch.bool)
+    ones = torch.ones(n, 2 + tag, dtype=torch.long)
+    return Rollout(
+        prompt_ids=torch.ones(n, 3, dtype=torch.long), prompt_mask=torch.ones(n, 3, dtype=torch.long),
+        completion_ids=ones.clone(), attention_mask=ones.clone(), loss_mask=ones.clone(),
+        truncated=torch.zeros(n, dtype=torch.bool), lengths=torch.arange(n) + 100 * tag,
+        group_ids=torch.arange(len(correct)).repeat_interleave(G), rewards=flat.float(), correct=flat,
+    )
+
+
 class FakeStrategy:
     """Stands in for a 2-rank ``reduce(max)``: the other rank needs more for its first ``other`` rounds."""
+
+    root_device = CPU
 
     def __init__(self, other: int) -> None:
         self.other, self.calls = other, 0
@@ -38,15 +57,19 @@ class FakeStrategy:
         return torch.maximum(tensor, torch.tensor(float(self.calls <= self.other)))
 
 
-class FakeModule:
-    def __init__(self, rounds):
-        self.num_generations, self.rounds, self.draws = 2, list(rounds), 0
+def fake_collectives(strategy: FakeStrategy) -> Collectives:
+    """The step's Collectives over a fake 2-rank trainer whose strategy is ``strategy``."""
+    return Collectives(SimpleNamespace(strategy=strategy, world_size=2, global_rank=0))
 
-    def draw_prompts(self):
+
+class Refill:
+    """The module's ``refill()`` closure: the next prepared round, sampled and scored."""
+
+    def __init__(self, rounds) -> None:
+        self.rounds, self.draws = list(rounds), 0
+
+    def __call__(self):
         self.draws += 1
-        return {"prompt": ["x"]}
-
-    def generate_and_score(self, batch):
         return self.rounds.pop(0), {}
 
 
@@ -54,46 +77,40 @@ def test_filter_generates_while_any_rank_needs_more():
     first = fake_rollout([[1, 0], [0, 1]], tag=0)  # this rank is full after one round
     more = [fake_rollout([[1, 0], [0, 0]], tag=t) for t in (1, 2, 3)]
     strategy = FakeStrategy(other=2)
-    module = FakeModule(more)
-    out, stats = DAPOGroupFilter(max_gen_batches=4).on_rollout_scored(
-        SimpleNamespace(strategy=strategy), module, first)
+    refill = Refill(more)
+    out, stats = DynamicSampling(max_gen_batches=4)(first, refill, fake_collectives(strategy))
     # the other rank needed 2 more rounds: this one generated them too (a collective under FSDP2), and
     # asked a third time, when nobody needed more
-    assert module.draws == 2 and strategy.calls == 3 and stats["rollout/gen_batches"] == 3.0
+    assert refill.draws == 2 and strategy.calls == 3 and stats["rollout/gen_batches"] == 3.0
     assert out.lengths.tolist() == [0, 1, 2, 3]  # its own full first round; the extra groups trimmed
     # at max_gen_batches nobody asks again: the same number of reduces on every rank
-    strategy, module = FakeStrategy(other=10), FakeModule(more)
-    DAPOGroupFilter(max_gen_batches=3).on_rollout_scored(SimpleNamespace(strategy=strategy), module, first)
-    assert module.draws == 2 and strategy.calls == 2
-
-
-class LogModule:
-    device = torch.device("cpu")
-    num_generations = 2
-
-    def __init__(self):
-        self.logged: dict[str, float] = {}
-
-    def log(self, name, value, **_):
-        self.logged[name] = float(value)
+    strategy, refill = FakeStrategy(other=10), Refill(more)
+    DynamicSampling(max_gen_batches=3)(first, refill, fake_collectives(strategy))
+    assert refill.draws == 2 and strategy.calls == 2
 
 
 def test_metrics_compute_every_known_name_every_step():
-    cb, module = PolicyMetrics(), LogModule()
-    cb.on_update_end(None, module, {"policy/loss": 2.0, "policy/entropy": 1.0}, 1.0)
-    cb.on_step_end(None, module, {"rollout/gen_batches": 1.0})
-    assert module.logged == {"policy/loss": 2.0, "policy/entropy": 1.0, "rollout/gen_batches": 1.0}
+    metrics, logged = StepMetrics(), {}
+
+    def log(name, value):
+        logged[name] = float(value)
+
+    metrics.add(CPU, {"policy/loss": 2.0, "policy/entropy": 1.0}, 1.0)
+    metrics.add_stats(CPU, {"rollout/gen_batches": 1.0})
+    out = metrics.log(CPU, log)
+    assert logged == out == {"policy/loss": 2.0, "policy/entropy": 1.0, "rollout/gen_batches": 1.0}
     computed = []
-    for name, metric in cb.metrics.items():
+    for name, metric in metrics.metrics.items():
         metric.compute = (lambda m, n: lambda: computed.append(n) or m())(metric.compute, name)
     # a step where this rank had no data: every known name still joins the reduction, in one order
-    module.logged = {}
-    cb.on_update_end(None, module, {"policy/entropy": float("nan")}, 1.0)  # NaN inputs are ignored
-    cb.on_step_end(None, module, {"rollout/gen_batches": 3.0})
+    logged.clear()
+    metrics.add(CPU, {"policy/entropy": float("nan")}, 1.0)  # NaN inputs are ignored
+    metrics.add_stats(CPU, {"rollout/gen_batches": 3.0})
+    metrics.log(CPU, log)
     assert computed == ["policy/entropy", "policy/loss", "rollout/gen_batches"]
     # nobody had data: nothing logged for those names (never a NaN), the rest as usual
-    assert module.logged == {"rollout/gen_batches": 3.0}
-    assert all(not math.isnan(v) for v in module.logged.values())
+    assert logged == {"rollout/gen_batches": 3.0}
+    assert all(not math.isnan(v) for v in logged.values())
 
 
 def test_state_dict_keeps_every_ranks_refill_position():

@@ -272,7 +272,7 @@ def test_reward_model_scores_are_added_to_the_reward_functions(tmp_path, reward_
     trainer = make_trainer(tmp_path, max_steps=1, callbacks=[seen])
     trainer.fit(module, PromptDataModule(batch_size=2, max_val_rows=8))
     (rollout,) = seen.seen
-    texts = module.decode(rollout.completion_ids, rollout.completion_mask)
+    texts = module.decode(rollout.completion_ids, rollout.attention_mask)
     prompt_ids = rollout.prompt_ids.masked_fill(rollout.prompt_mask == 0, 0)
     prompts = module.tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
     scorer = RewardModelScorer(str(reward_folder))
