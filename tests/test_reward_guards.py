@@ -18,6 +18,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_rl.algorithms import DAPO
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.losses import overlong_penalty
+from lightning_rl.collectives import Collectives
 from lightning_rl.rewards import RewardError, RewardScorer
 
 HERE = __name__  # reward functions below are named by import path, as in YAML
@@ -89,13 +90,13 @@ def test_reward_failing_everywhere_in_zero_mode_stops_the_run(tmp_path):
 
 
 def test_reward_failing_on_one_of_eight_samples_trains_warns_and_counts(tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="lightning_rl.algorithms.online")
+    caplog.set_level(logging.WARNING, logger="lightning_rl.rewards")  # the rewards stage warns
     module = make(reward_fns=[f"{HERE}:nan_at_three"], on_reward_error="zero")  # default limit 0.5
     before = params(module)
     trainer, logged = logged_fit(module, tmp_path, dm=datamodule(batch_size=2))  # 2 prompts x G = 4
     assert trainer.global_step == 2 and changed(before, module)
     assert logged["rollout/reward_errors"] == [1.0, 1.0]
-    lines = [r.getMessage() for r in caplog.records if r.name == "lightning_rl.algorithms.online"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "lightning_rl.rewards"]
     assert len(lines) == 2, lines  # one line per step
     for line in lines:
         assert re.fullmatch(rf"reward function `{HERE}:nan_at_three` failed on 1 of 8 samples: "
@@ -120,14 +121,13 @@ def test_the_stop_is_decided_on_counts_summed_over_ranks(tmp_path):
 
         for failed in (8.0, 7.0):  # 9 of 16 > 0.5 stops (here 1 of 8 only); 8 of 16 does not
             trainer.strategy.reduce = other_rank(failed)
-            module._generation_round = 0  # the step's first round, as collect_rollout sets it
             try:
-                module.generate_and_score(batch)
+                module.sample(batch, Collectives(trainer))  # the step's first round decides
                 out[failed] = None
             except RewardError as err:
                 out[failed] = str(err)
         sent_before_refill = len(sent)
-        module.generate_and_score(batch)  # a refill round: no collective, no stop
+        module.sample(batch, Collectives(trainer), decide=False)  # a refill round: no collective, no stop
         del trainer.strategy.reduce
         return out, sent, sent_before_refill
 

@@ -114,7 +114,8 @@ class FakeTrainer:
 def test_markup_is_escaped_in_the_event_file(tmp_path):
     logger = TensorBoardLogger(str(tmp_path), name="run")
     rollout = Rollout(prompt_ids=torch.ones(1, 1, dtype=torch.long), prompt_mask=torch.ones(1, 1),
-                      completion_ids=torch.ones(1, 2, dtype=torch.long), completion_mask=torch.ones(1, 2),
+                      completion_ids=torch.ones(1, 2, dtype=torch.long), attention_mask=torch.ones(1, 2),
+                      loss_mask=torch.ones(1, 2),
                       truncated=torch.zeros(1, dtype=torch.bool), lengths=torch.tensor([2]),
                       group_ids=torch.tensor([0]), rewards=torch.tensor([1.0]), correct=torch.tensor([True]))
     LogSamples().on_rollout_end(FakeTrainer(logger), ThinkingModule(), rollout)

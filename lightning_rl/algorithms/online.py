@@ -47,10 +47,14 @@ class OnlineRL(ManualSteps, PolicyModule):
             of the rendered prompt + completion is added (kept out of checkpoints and optimisers).
         correctness_fn: decides ``rollout.correct`` (filters, ``rollout/correct_frac``) and ``val/accuracy``;
             ``None`` uses ``accuracy_fn``.
-        on_reward_error, max_reward_error_frac: ``raise`` on a failing reward, or score it 0 (``zero``) and
-            stop when more than this fraction of a step's samples (over all ranks) failed.
-        overlong_buffer, overlong_penalty_factor: DAPO's soft overlong punishment over the last
-            ``overlong_buffer`` tokens of ``max_new_tokens`` (``auto``: a fifth; ``None`` / 0: off).
+        on_reward_error: ``raise`` stops on a reward function error or NaN; ``zero`` scores it 0, counts it
+            in ``rollout/reward_errors`` and warns, naming the function and its last error.
+        max_reward_error_frac: with ``on_reward_error: zero``, stop the run when more than this fraction (in
+            [0, 1]) of a step's samples, counted over all ranks, had a failed reward.
+        overlong_buffer: DAPO's soft overlong punishment over the last this-many tokens of ``max_new_tokens``
+            (``advantages.overlong_penalty``): ``None`` (default here) or 0: off; ``auto``: a fifth of
+            ``max_new_tokens``, at least 1. Logged as ``rollout/overlong_penalty_mean``.
+        overlong_penalty_factor: weight of the overlong penalty added to the reward.
         mask_truncated: leave completions that hit ``max_new_tokens`` out of the loss.
         dynamic_sampling, max_gen_batches: DAPO's filter (``lightning_rl.filters.DynamicSampling``).
         filters: more rollout filters (``class_path``), applied after dynamic sampling.
