@@ -17,8 +17,8 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_rl.algorithms import DAPO
 from lightning_rl.callbacks.base import RLCallback
-from lightning_rl.losses import overlong_penalty
 from lightning_rl.collectives import Collectives
+from lightning_rl.losses import overlong_penalty
 from lightning_rl.rewards import RewardError, RewardScorer
 
 HERE = __name__  # reward functions below are named by import path, as in YAML
