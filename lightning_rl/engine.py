@@ -15,6 +15,7 @@ stepping until all ranks finish.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -136,11 +137,13 @@ def prefilled_cache(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, n
 @torch.no_grad()
 def hf_generate(policy: Policy, prompt_ids: Tensor, prompt_mask: Tensor, *, num_samples: int,
                 sampling: SamplingParams, compact: bool = False, synced_gpus: bool = False,
-                return_logits: bool = False) -> Generation:
+                return_logits: bool = False, return_logprobs: bool = False) -> Generation:
     """``num_samples`` completions per prompt with ``policy``'s own model, in eval mode (no dropout).
 
     ``compact``: :func:`sample_compacting` (never with ``synced_gpus`` or ``return_logits``); else
     transformers' ``generate``, with each prompt prefilled once when ``policy.share_prompts``.
+    ``return_logprobs``: ``rollout_logp`` too, the sampled tokens' log-probs at the sampling temperature,
+    unfiltered (from the sampler's own logits, or one scoring pass after ``generate``).
     """
     model, eos, pad = policy.model, policy.eos_token_id, policy.pad_token_id
     if num_samples < 1:
@@ -150,8 +153,12 @@ def hf_generate(policy: Policy, prompt_ids: Tensor, prompt_mask: Tensor, *, num_
         with eval_mode(model):
             out = sample_compacting(model, ids, mask, max_new_tokens=sampling.max_new_tokens,
                                     eos_token_id=eos, pad_token_id=pad, temperature=sampling.temperature,
-                                    top_k=sampling.top_k, top_p=sampling.top_p, do_sample=not sampling.greedy)
-        return make_generation(ids, mask, out, eos, pad)
+                                    top_k=sampling.top_k, top_p=sampling.top_p, do_sample=not sampling.greedy,
+                                    return_logprobs=return_logprobs)
+        out, logp = out if return_logprobs else (out, None)
+        gen = make_generation(ids, mask, out, eos, pad)
+        gen.rollout_logp = None if logp is None else logp * gen.completion_mask
+        return gen
     prefix = {}
     if num_samples > 1 and prompt_ids.shape[1] > 1 and policy.share_prompts:
         prefix = prefilled_cache(model, prompt_ids, prompt_mask, num_samples)
@@ -165,7 +172,13 @@ def hf_generate(policy: Policy, prompt_ids: Tensor, prompt_mask: Tensor, *, num_
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
                              synced_gpus=synced_gpus, **prefix)
     logits = torch.stack(out.logits, dim=1) if return_logits else None
-    return make_generation(ids, mask, out.sequences[:, ids.shape[1]:], eos, pad, logits)
+    gen = make_generation(ids, mask, out.sequences[:, ids.shape[1]:], eos, pad, logits)
+    if return_logprobs:
+        with eval_mode(model):
+            gen.rollout_logp, _ = policy.token_logprobs(gen.prompt_ids, gen.prompt_mask, gen.completion_ids,
+                                                        gen.completion_mask,
+                                                        temperature=sampling.temperature or 1.0)
+    return gen
 
 
 class RolloutEngine:
@@ -229,3 +242,87 @@ def seeded(seed: int | None, device: torch.device) -> Iterator[None]:
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         yield
+
+
+class CopyEngine(HFEngine):
+    """Samples with its own copy of the policy's weights in ``dtype`` (bf16 by default): AMX / tensor-core
+    arithmetic for rollouts while training keeps fp32 master weights. Its log-probs (``rollout_logp``)
+    differ from the trainer's, so the step recomputes behaviour log-probs and corrects the gap
+    (``model.rollout_correction``) and logs it (``rollout/mismatch_*``).
+
+    ``sync_weights`` copies the trained weights into the copy in place (cast), once per step before
+    sampling: one parameter at a time, so under FSDP2 each is gathered alone (every rank joins each gather,
+    in the same order) and never the whole model at once; under LoRA only the trained (adapter) weights are
+    copied. The copy is a plain attribute: out of checkpoints, optimisers and the module tree.
+
+    Args:
+        dtype: ``bfloat16``, ``float16`` or ``float32`` (``float32``: an exact copy, for checks).
+        compact: as :class:`HFEngine`.
+    """
+
+    returns_logprobs = True
+    is_trained_module = False
+
+    def __init__(self, dtype: str = "bfloat16", compact: bool | None = None) -> None:
+        super().__init__(compact)
+        choices = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+        if dtype not in choices:
+            raise ValueError(f"`model.engine.init_args.dtype` must be one of {sorted(choices)}, "
+                             f"got {dtype!r}")
+        self.dtype = choices[dtype]
+        self.copy: Any = None  # a Policy around the engine's own model
+        self.source: Any = None  # the trained Policy it copies
+
+    def attach(self, policy: Policy, *, synced: bool = False, compact: bool = False) -> None:
+        if self.source is not policy:
+            self.source, self.copy = policy, self.build(policy)
+            self.sync_weights(policy)
+        # the copy is whole on every rank: its forwards are local, never collectives
+        super().attach(self.copy, synced=False, compact=compact)
+
+    def build(self, policy: Policy) -> Policy:
+        """A frozen copy of the policy's model in ``dtype`` on its device (weights: ``sync_weights``)."""
+        from lightning_rl.policy import Policy
+        from lightning_rl.sharding import is_sharded
+
+        model = policy.model
+        if is_sharded(model):  # FSDP2: the same architecture, built whole; weights arrive layer by layer
+            if hasattr(model, "peft_config"):
+                raise ValueError("`model.engine: CopyEngine` under FSDP2 needs a model without adapters "
+                                 "(`model.peft`); use the default engine with LoRA under FSDP2")
+            from transformers import AutoModelForCausalLM
+
+            device = policy.device if policy.device.type != "meta" else torch.device("cpu")
+            engine_model = AutoModelForCausalLM.from_config(base_model(model).config, dtype=self.dtype)
+            engine_model.to(device)
+        else:
+            engine_model = copy.deepcopy(model).to(self.dtype)
+        engine_model.requires_grad_(False).eval()
+        engine = Policy(engine_model, policy.tokenizer)
+        engine.share_prompts = policy.share_prompts
+        return engine
+
+    @torch.no_grad()
+    def sync_weights(self, policy: Policy) -> None:
+        """Copy (and cast) the trained weights into the engine's; only trainable ones under LoRA."""
+        if self.copy is None:
+            return
+        from lightning_rl.sharding import full_value
+
+        mine = dict(self.copy.model.named_parameters())
+        peft = hasattr(policy.model, "peft_config")
+        for name, param in policy.model.named_parameters():
+            if peft and not param.requires_grad:
+                continue
+            target = mine[name]
+            target.copy_(full_value(param.detach()).to(device=target.device, dtype=target.dtype))
+
+    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, *, num_samples: int = 1,
+                 sampling: SamplingParams, seed: int | None = None) -> Generation:
+        if self.copy is None:
+            raise RuntimeError("the engine is not attached to a policy: call `attach(policy)` first")
+        device_type = prompt_ids.device.type
+        # its weights are already in their dtype: an enclosing autocast (bf16-mixed) would only re-cast
+        with seeded(seed, prompt_ids.device), torch.autocast(device_type, enabled=False):
+            return hf_generate(self.copy, prompt_ids, prompt_mask, num_samples=num_samples, sampling=sampling,
+                               compact=self.compact, return_logprobs=not sampling.greedy)

@@ -188,6 +188,7 @@ def policy_loss(
     kl_estimator: str = "k3",
     num_tokens: Count = None,
     num_seqs: Count = None,
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Every policy objective: ``aggregate(surrogate(logp, log r, A, mask) + kl_coef * KL(pi || pi_ref))``.
 
@@ -201,6 +202,8 @@ def policy_loss(
             :func:`trust_region_options`).
         aggregation: one of :data:`AGGREGATIONS`. kl_coef: >= 0. kl_estimator: one of ``KL_ESTIMATORS``.
         num_tokens, num_seqs: whole-minibatch normalisers (see :func:`aggregate`).
+        token_weights: ``[B, T]`` detached per-token weights of the surrogate (off-policy correction,
+            :func:`rollout_is_weights`), or None; the KL term is not weighted.
 
     Returns:
         ``(loss, metrics)``: ``policy/{approx_kl, ratio_mean}``, the trust region's stats (``clip_frac*`` or
@@ -223,7 +226,7 @@ def policy_loss(
     log_ratio = level.log_ratio(logp, old_logp, mask)
     valid_logp = torch.where(mask, logp, 0.0)  # a region that reads logp (CISPO) never sees padding garbage
     surrogate = _trust_region(trust_region, trust_region_args, valid_logp, log_ratio, adv, mask)
-    per_token = surrogate.loss
+    per_token = surrogate.loss if token_weights is None else surrogate.loss * token_weights.detach()
     with torch.no_grad():
 
         def mean(x: Tensor) -> Tensor:
@@ -263,6 +266,8 @@ def ppo_policy_loss(
         clip_eps_high: upper range (None: clip_eps).
         aggregation: one of :data:`AGGREGATIONS`. clip_ratio_c: dual-clip constant ``c > 1`` or None (off).
         num_tokens, num_seqs: whole-minibatch normalisers (see :func:`aggregate`).
+        token_weights: ``[B, T]`` detached per-token weights of the surrogate (off-policy correction,
+            :func:`rollout_is_weights`), or None; the KL term is not weighted.
 
     Returns:
         ``(loss, metrics)`` with ``policy/{clip_frac, clip_frac_low, clip_frac_high, approx_kl, ratio_mean}``

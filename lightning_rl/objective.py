@@ -117,6 +117,7 @@ class Objective:
         *,
         num_tokens: float | Tensor | None = None,
         num_seqs: float | Tensor | None = None,
+        token_weights: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """``(loss, metrics)`` of one (micro-)batch; shapes as in :mod:`lightning_rl.losses`."""
         if ref_logp is None and self.needs_reference:
@@ -125,5 +126,5 @@ class Objective:
             logp, old_logp, ref_logp, advantages, mask, ratio_level=self.ratio_level,
             trust_region=self.trust_region, trust_region_args=self.trust_region_args,
             aggregation=self.aggregation, kl_coef=self.kl_coef, kl_estimator=self.kl_estimator,
-            num_tokens=num_tokens, num_seqs=num_seqs,
+            num_tokens=num_tokens, num_seqs=num_seqs, token_weights=token_weights,
         )

@@ -42,6 +42,7 @@ class Rollout:
             the trained module: the ratio is 1 and the current log-probs, detached, stand in).
         ref_logp: ``[N, C]`` reference log-probs, or ``None`` when no KL term is on.
         rollout_logp: ``[N, C]`` the engine's log-probs of the sampled tokens, when it returns them.
+        is_weights: ``[N, C]`` off-policy correction weights (``lightning_rl.correction``), or ``None``.
         token_rewards: ``[N, C]`` per-token rewards (the score on the last token minus a KL-in-reward
             penalty), when a KL penalty is in the reward; else ``None`` (``rewards`` alone).
         values: ``[N, C]`` critic values at rollout time (PPO), else ``None``.
@@ -63,6 +64,7 @@ class Rollout:
     ref_logp: Tensor | None = None
     rollout_logp: Tensor | None = None
     token_rewards: Tensor | None = None
+    is_weights: Tensor | None = None
     values: Tensor | None = None
     returns: Tensor | None = None
 

@@ -40,22 +40,33 @@ def sample_compacting(
     top_k: int = 0,
     top_p: float = 1.0,
     do_sample: bool = True,
-) -> Tensor:
+    return_logprobs: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """``[N, C]`` completion tokens for the ``N`` (left-padded) prompt rows, ``C <= max_new_tokens``;
-    after a row's EOS the rest is ``pad_token_id``. Rows that repeat a prompt share its prefill."""
+    after a row's EOS the rest is ``pad_token_id``. Rows that repeat a prompt share its prefill.
+
+    ``return_logprobs``: also ``[N, C]`` float32 log-probs of the sampled tokens under the tempered,
+    *unfiltered* softmax (top-k / top-p shape the draw only, as every log-prob of the RL step), 0 after EOS.
+    """
     n, device = prompt_ids.shape[0], prompt_ids.device
     mask = prompt_mask.long()
     logits, cache = _prefill(model, prompt_ids, mask)
     out = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    logp = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device) if return_logprobs else None
+    scale = temperature if temperature > 0 else 1.0
     rows = torch.arange(n, device=device)  # the original row of each running row
     lengths = mask.sum(1)
     name = cache_argument(model)
     for t in range(max_new_tokens):
         token = _pick(logits, temperature, top_k, top_p, do_sample)
         out[rows, t] = token
+        if logp is not None:
+            picked = torch.log_softmax(logits.float() / scale, -1).gather(-1, token[:, None])
+            logp[rows, t] = picked.squeeze(1)
         running = token != eos_token_id
         if t == max_new_tokens - 1 or not running.any():
-            return out[:, : t + 1] if not running.any() else out
+            width = t + 1 if not running.any() else max_new_tokens
+            return (out[:, :width], logp[:, :width]) if logp is not None else out[:, :width]
         if not running.all():  # the rows that just ended leave the batch
             keep = torch.nonzero(running).squeeze(1)
             rows, token = rows[keep], token[keep]
@@ -64,7 +75,7 @@ def sample_compacting(
         step = model(token[:, None], attention_mask=attention, position_ids=(lengths[rows] + t)[:, None],
                      use_cache=True, **{name: cache}, **keep_logits(model, 1))
         logits, cache = step.logits[:, -1], returned_cache(step)
-    return out
+    return (out, logp) if logp is not None else out
 
 
 def _prefill(model: nn.Module, prompt_ids: Tensor, mask: Tensor) -> tuple[Tensor, Any]:

@@ -21,6 +21,7 @@ import torch
 from lightning_rl.algorithms.base import PolicyModule
 from lightning_rl.algorithms.stepping import ManualSteps
 from lightning_rl.collectives import Collectives
+from lightning_rl.correction import RolloutCorrection
 from lightning_rl.engine import RolloutEngine
 from lightning_rl.estimators import AdvantageEstimator, GroupNormalized, KLInReward
 from lightning_rl.filters import DynamicSampling, RolloutFilter
@@ -60,6 +61,8 @@ class OnlineRL(ManualSteps, PolicyModule):
         filters: more rollout filters (``class_path``), applied after dynamic sampling.
         advantage: the estimator (``class_path``, ``lightning_rl.estimators``); default group z-score.
         behaviour_logp: ``auto``, ``recompute``, ``from_engine`` or ``on_policy`` (``lightning_rl.logprobs``).
+        rollout_correction: importance weights for an engine that is not the trained module
+            (``lightning_rl.correction.RolloutCorrection``; default token-level, truncated at 2.0).
         ppo_epochs, num_minibatches, micro_batch_size, max_grad_norm: the updater (``lightning_rl.update``).
         ratio_level, trust_region, clip_low, clip_high, clip_ratio_c, tau_pos, tau_neg, aggregation,
             kl_coef, kl_estimator: the objective axes, see :class:`lightning_rl.objective.Objective`.
@@ -82,7 +85,8 @@ class OnlineRL(ManualSteps, PolicyModule):
         overlong_buffer: int | Literal["auto"] | None = None, overlong_penalty_factor: float = 1.0,
         mask_truncated: bool = False, dynamic_sampling: bool = False, max_gen_batches: int = 3,
         filters: list[RolloutFilter] | None = None, advantage: AdvantageEstimator | None = None,
-        behaviour_logp: BehaviourSource = "auto", ppo_epochs: int = 1, num_minibatches: int = 1,
+        behaviour_logp: BehaviourSource = "auto", rollout_correction: RolloutCorrection | None = None,
+        ppo_epochs: int = 1, num_minibatches: int = 1,
         micro_batch_size: int | None = None, max_grad_norm: float | None = 1.0,
         ratio_level: RatioLevel = "token", trust_region: TrustRegion = "clip", clip_low: float = 0.2,
         clip_high: float = 0.2, clip_ratio_c: float | None = None, tau_pos: float = 1.0,
@@ -117,6 +121,7 @@ class OnlineRL(ManualSteps, PolicyModule):
             overlong=overlong_shaping(overlong_buffer, overlong_penalty_factor, self.max_new_tokens))
         self.filters = ([DynamicSampling(max_gen_batches)] if dynamic_sampling else []) + list(filters or [])
         self.behaviour_logp = behaviour_logp
+        self.correction = rollout_correction if rollout_correction is not None else RolloutCorrection()
         resolve_behaviour(behaviour_logp, self.updater.updates_per_rollout, self.engine)  # fails early
         self.mask_truncated, self.entropy_coef = mask_truncated, entropy_coef
         self.share_prompt_prefix, self.rollout_seed = share_prompt_prefix, rollout_seed
@@ -146,6 +151,7 @@ class OnlineRL(ManualSteps, PolicyModule):
         passes = LogProbPasses(behaviour, self.sampling.temperature, self.updater.micro_batch_size)
         rollout, extra = passes(rollout, self.policy, self._reference, collectives)
         rollout, excluded = exclude_nonfinite(rollout)
+        extra.update(self.correction(rollout))
         rollout, more = self.estimate(rollout, collectives)
         self.observe(rollout)
         update_start = time.perf_counter()
@@ -214,7 +220,8 @@ class OnlineRL(ManualSteps, PolicyModule):
                                                    temperature=self.sampling.temperature)
         old_logp = micro.old_logp if micro.old_logp is not None else logp.detach()
         loss, metrics = self.objective(logp, old_logp, micro.ref_logp, micro.advantages, micro.loss_mask,
-                                       num_tokens=num_tokens, num_seqs=num_seqs)
+                                       num_tokens=num_tokens, num_seqs=num_seqs,
+                                       token_weights=micro.is_weights)
         if self.entropy_coef:
             loss = loss - self.entropy_coef * aggregate(entropy, micro.loss_mask, self.objective.aggregation,
                                                         num_tokens=num_tokens, num_seqs=num_seqs)

@@ -1,0 +1,138 @@
+"""The lower-precision rollout engine (``CopyEngine``) and the off-policy correction of its mismatch."""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import datamodule, launch, logprobs, make, make_trainer, update
+
+from lightning_rl.algorithms import GRPO
+from lightning_rl.callbacks import RLCallback
+from lightning_rl.correction import RolloutCorrection
+from lightning_rl.engine import CopyEngine
+from lightning_rl.rollout import Rollout
+
+HERE = Path(__file__).resolve().parent
+
+
+class Record(RLCallback):
+    def __init__(self) -> None:
+        self.rollouts, self.stats, self.engine_diff = [], [], []
+
+    def on_rollout_end(self, trainer, pl_module, rollout):
+        self.rollouts.append(rollout)
+        engine = dict(pl_module.engine.copy.model.named_parameters())
+        self.engine_diff.append(max(
+            (engine[n].float() - p.detach().to(engine[n].dtype).float()).abs().max().item()
+            for n, p in pl_module.policy.model.named_parameters()))
+
+    def on_step_end(self, trainer, pl_module, stats):
+        self.stats.append(dict(stats))
+
+
+def _fit(tmp_path, engine, steps=2, **kw):
+    torch.manual_seed(0)
+    module = make(GRPO, engine=engine, kl_coef=0.0, **kw)
+    record = Record()
+    make_trainer(tmp_path, max_steps=steps, callbacks=[record]).fit(module, datamodule(batch_size=2))
+    return module, record
+
+
+def test_fp32_copy_gives_the_trainers_logprobs_and_unit_weights(tmp_path):
+    """No mismatch, no correction: the engine's log-probs equal the recomputed behaviour log-probs and every
+    weight is 1."""
+    module, record = _fit(tmp_path, CopyEngine("float32"))
+    for rollout, stats in zip(record.rollouts, record.stats, strict=True):
+        mask = rollout.loss_mask.bool()
+        torch.testing.assert_close(rollout.rollout_logp[mask], rollout.old_logp[mask], atol=1e-5, rtol=0)
+        # 1 up to float rounding (the sampler decodes incrementally, the trainer scores in one pass)
+        torch.testing.assert_close(rollout.is_weights[mask], torch.ones_like(rollout.is_weights[mask]),
+                                   atol=2e-5, rtol=0)
+        assert stats["rollout/mismatch_k3"] < 1e-9 and stats["rollout/is_clipped_frac"] == 0.0
+    assert record.engine_diff == [0.0, 0.0]  # synced before each rollout
+
+
+def test_bf16_engine_is_synced_every_step_and_its_gap_is_measured(tmp_path):
+    module, record = _fit(tmp_path, CopyEngine("bfloat16"), steps=3,
+                          optimizer=partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0))
+    assert next(module.engine.copy.model.parameters()).dtype == torch.bfloat16
+    assert record.engine_diff == [0.0, 0.0, 0.0]  # the cast trained weights, exactly, after each sync
+    for rollout, stats in zip(record.rollouts, record.stats, strict=True):
+        assert rollout.old_logp is not rollout.rollout_logp  # recomputed by the trainer
+        assert 0 < stats["rollout/logp_diff_mean"] < 0.1 and stats["rollout/mismatch_k3"] >= 0
+        assert "perf/weight_sync_time" in stats
+    # the fp32 master weights moved; the engine follows them, it does not replace them
+    assert next(module.policy.model.parameters()).dtype == torch.float32
+
+
+class StaleEngine(CopyEngine):
+    """Syncs only on the first call: from the second step on it samples with weights one update old."""
+
+    def sync_weights(self, policy):
+        if getattr(self, "synced_once", False):
+            return
+        super().sync_weights(policy)
+        self.synced_once = self.copy is not None
+
+
+def test_a_stale_engine_is_corrected(tmp_path):
+    module, record = _fit(tmp_path, StaleEngine("float32"), steps=2,
+                          optimizer=partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0))
+    fresh, stale = record.rollouts
+    mask = stale.loss_mask.bool()
+    torch.testing.assert_close(fresh.is_weights[fresh.loss_mask.bool()],
+                               torch.ones(int(fresh.loss_mask.sum())), atol=2e-5, rtol=0)
+    weights = stale.is_weights[mask]
+    assert (weights != 1).float().mean() > 0.5 and weights.max() <= 2.0  # truncated at the cap
+    assert record.stats[1]["rollout/mismatch_k3"] > 1e-4
+    assert all(math.isfinite(s["perf/step_time"]) for s in record.stats)
+    assert all(torch.isfinite(p).all() for p in module.policy.parameters())
+
+
+@pytest.mark.parametrize("level,mode", [("token", "truncate"), ("sequence", "mask")])
+def test_gradient_with_the_correction_does_not_depend_on_micro_batch_size(tmp_path, level, mode):
+    grads = {}
+    for micro in (None, 3):
+        module = make(GRPO, kl_coef=0.0, micro_batch_size=micro, max_grad_norm=None,
+                      rollout_correction=RolloutCorrection(level, mode, cap=1.5),
+                      optimizer=partial(torch.optim.SGD, lr=0.0))
+        make_trainer(tmp_path, max_steps=0).fit(module, datamodule(batch_size=2))
+        module.policy.disable_dropout()
+        ids, mask = module.encode_prompts(["12345=", "907=", "5555123="])
+        torch.manual_seed(0)
+        gen = module.policy.generate(ids, mask, num_samples=4, max_new_tokens=8)
+
+        g = torch.Generator().manual_seed(1)
+        rollout = Rollout.from_generation(gen, torch.arange(3).repeat_interleave(4),
+                                          torch.rand(12, generator=g), torch.zeros(12, dtype=torch.bool))
+        rollout.advantages = torch.randn(12, generator=g)
+        rollout.old_logp = logprobs(module, rollout)
+        rollout.rollout_logp = rollout.old_logp + 0.3 * torch.randn(rollout.old_logp.shape, generator=g) \
+            * rollout.attention_mask
+        stats = module.correction(rollout)
+        assert rollout.is_weights is not None and stats["rollout/is_clipped_frac"] > 0
+        update(module, rollout)
+        grads[micro] = torch.cat([p.grad.flatten() for p in module.policy.parameters()])
+    assert grads[None].abs().max() > 1e-3
+    torch.testing.assert_close(grads[None], grads[3], atol=1e-6, rtol=1e-5)
+
+
+def test_correction_options_are_validated():
+    with pytest.raises(ValueError, match="rollout_correction"):
+        RolloutCorrection(cap=0.5)
+    with pytest.raises(ValueError, match="engine.init_args.dtype"):
+        CopyEngine("int8")
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+def test_engine_weights_follow_the_trained_weights_on_two_ranks(tmp_path, kind):
+    launch(HERE / "engine_sync.py", str(tmp_path), kind, cwd=HERE, timeout=300)
+    steps = json.loads((tmp_path / "result.json").read_text())
+    assert len(steps) == 3 and all(s["dtype"] == "torch.bfloat16" and s["count"] > 10 for s in steps)
+    assert [s["diff"] for s in steps] == [0.0, 0.0, 0.0]
+    assert all(s["stats"]["rollout/mismatch_k3"] >= 0 for s in steps)
