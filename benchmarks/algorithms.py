@@ -2,6 +2,8 @@
 
     OMP_NUM_THREADS=1 LRL_NUM_THREADS=1 python benchmarks/algorithms.py [sft grpo gspo dapo sapo dpo ppo ...]
 
+A name ``a+b/c`` runs ``configs/a.yaml`` with the overlay ``configs/b/c.yaml`` (e.g. ``grpo+precision/bf16``).
+
 ``reward_model`` reports held-out pair accuracy (``val/rm/accuracy``); ``ppo_rm`` uses the reward model that
 the ``reward_model`` run of the same invocation exported (it runs one first if none was asked for earlier).
 
@@ -35,9 +37,16 @@ METRIC = {"reward_model": "val/rm/accuracy"}  # the held-out figure of each conf
 EXPORTS: dict[str, Path] = {}  # exported folders of this invocation's runs, by config name
 
 
+def _configs(name: str) -> list[str]:
+    """``grpo+precision/bf16``: ``configs/grpo.yaml`` with the overlay ``configs/precision/bf16.yaml``."""
+    out = []
+    for part in name.split("+"):
+        out += ["--config", str(ROOT / "configs" / f"{part}.yaml")]
+    return out
+
+
 def _cli(subcommand: str, name: str, out: Path) -> float:
-    cmd = [sys.executable, "-m", "lightning_rl.cli", subcommand,
-           "--config", str(ROOT / "configs" / f"{name}.yaml"),
+    cmd = [sys.executable, "-m", "lightning_rl.cli", subcommand, *_configs(name),
            "--trainer.logger.init_args.save_dir", str(out), "--trainer.enable_progress_bar", "false"]
     if name == "ppo_rm":
         cmd += ["--model.init_args.reward_model", str(EXPORTS["reward_model"])]
@@ -48,11 +57,12 @@ def _cli(subcommand: str, name: str, out: Path) -> float:
 
 def run(name: str) -> dict:
     """``validate`` (the starting model), then ``fit``; figures from their TensorBoard events."""
-    out = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
+    out = Path(tempfile.mkdtemp(prefix=f"bench-{name.replace('/', '_')}-"))
     _cli("validate", name, out / "start")
     seconds = _cli("fit", name, out / "fit")
     start, end = _scalars(out / "start"), _scalars(out / "fit")
-    steps = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())["trainer"]["max_steps"]
+    base = name.split("+")[0]
+    steps = yaml.safe_load((ROOT / "configs" / f"{base}.yaml").read_text())["trainer"]["max_steps"]
     metric = METRIC.get(name, "val/accuracy")
     result = {"name": name, "start": start[metric][0], "end": end[metric][-1], "steps": steps,
               "seconds": seconds}
@@ -75,11 +85,12 @@ def main(names: list[str]) -> None:
                 if "pref_start" in r else "")
         if name in METRIC:
             note += f" ({METRIC[name]})"
-        print(f"| `configs/{name}.yaml` | {r['start']:.3f} | {r['end']:.3f}{note} | "
+        label = " + ".join(f"`configs/{part}.yaml`" for part in name.split("+"))
+        print(f"| {label} | {r['start']:.3f} | {r['end']:.3f}{note} | "
               f"{r['steps']} | {r['seconds']:.0f} |",
               flush=True)
 
 
 if __name__ == "__main__":
     main(sys.argv[1:] or ["sft", "grpo", "gspo", "dapo", "sapo", "dpo", "ppo", "reward_model", "ppo_rm",
-                          "grpo_lora"])
+                          "grpo_lora", "rloo", "reinforce_pp", "grpo+precision/bf16"])
