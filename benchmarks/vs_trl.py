@@ -275,6 +275,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="measured steps per run (after 1 warm-up step)")
     parser.add_argument("--runners", default=",".join(RUNNERS))
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="bf16: ours with configs/precision/bf16.yaml (bf16 engine, bf16-mixed training, "
+                             "correction), TRL with bf16=True, the bare loop under bf16 autocast")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write every run's figures and the summary as JSON here")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per runner process")
@@ -299,7 +302,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     spec = prepare(args.workload)
     workdir = Path(tempfile.mkdtemp(prefix=f"vs-trl-{args.workload}-"))
-    spec.update(steps=args.steps, warmup=1, threads=args.threads, seed=args.seed, tmp=str(workdir))
+    spec.update(steps=args.steps, warmup=1, threads=args.threads, seed=args.seed, tmp=str(workdir),
+                precision=args.precision)
     if "shape" in spec:
         print(f"[workload B] shape: {json.dumps({k: v for k, v in spec['shape'].items() if k != 'config'})}")
     start = run_child("start", spec, workdir, args.timeout)["heldout"]
@@ -407,6 +411,8 @@ def run_ours(spec: dict[str, Any], tasks: Any, runner: str) -> dict[str, Any]:
         "reward_fns": [f"vs_trl_tasks:{spec['reward']}"],
     }
     args = ["--config", str(ROOT / "configs" / "grpo.yaml"),
+            *(["--config", str(ROOT / "configs" / "precision" / "bf16.yaml")]
+              if spec.get("precision") == "bf16" else []),
             "--seed_everything", str(spec["seed"]),
             "--trainer.max_steps", str(total), "--trainer.limit_val_batches", "0",
             "--trainer.num_sanity_val_steps", "0", "--trainer.enable_checkpointing", "false",
@@ -498,7 +504,8 @@ def run_trl(spec: dict[str, Any], tasks: Any, runner: str) -> dict[str, Any]:
         learning_rate=spec["lr"], weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0,
         optim="adamw_torch", max_grad_norm=1.0,
         max_steps=total, logging_steps=1, save_strategy="no", report_to="none",
-        use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, disable_dropout=True,
+        use_cpu=True, bf16=spec.get("precision") == "bf16", fp16=False, gradient_checkpointing=False,
+        disable_dropout=True,
         shuffle_dataset=False, seed=spec["seed"], dataloader_num_workers=0, disable_tqdm=True,
         use_vllm=False, log_completions=False,
     )
@@ -568,12 +575,13 @@ def run_bare(spec: dict[str, Any], tasks: Any, runner: str) -> dict[str, Any]:
 
     ends, generation_seconds = [time.perf_counter()], []
     startup = ends[0] - t0
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.get("precision") == "bf16")
     for step in range(total):
         batch = rows[step * P : (step + 1) * P]
         prompt_ids, prompt_mask = tasks.encode_left(tok, [r["prompt"] for r in batch])
         prompt_ids, prompt_mask = prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0)
         generation_start = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), autocast:
             sequences = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
                                        generation_config=sampling)
         generation_seconds.append(time.perf_counter() - generation_start)
@@ -589,9 +597,10 @@ def run_bare(spec: dict[str, Any], tasks: Any, runner: str) -> dict[str, Any]:
         centred = grouped - grouped.mean(1, keepdim=True)
         advantages = (centred / (grouped.std(1, keepdim=True) + 1e-8)).flatten()
         ids, full_mask = torch.cat([prompt_ids, completion], 1), torch.cat([prompt_mask, mask], 1)
-        with torch.no_grad():
+        with torch.no_grad(), autocast:
             ref_logp = token_logp(ref, ids, full_mask, completion)
-        logp = token_logp(model, ids, full_mask, completion)
+        with autocast:
+            logp = token_logp(model, ids, full_mask, completion)
         ratio = torch.exp(logp - logp.detach())  # one update per rollout: behaviour = current policy
         a = advantages[:, None]
         objective = torch.min(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a)
