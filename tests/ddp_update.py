@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from lightning_rl.algorithms import GRPO
 from lightning_rl.collectives import Collectives
+from lightning_rl.correction import RolloutCorrection
 from lightning_rl.data import PromptDataModule
 from lightning_rl.logprobs import score_rollout
 from lightning_rl.rollout import Rollout
@@ -62,6 +63,10 @@ def fixed_rollout(module: GRPO) -> Rollout:
     valid = attention_mask.bool()
     rollout.old_logp = torch.where(valid, logp + 0.3 * torch.randn(logp.shape, generator=g), 0.0)
     rollout.ref_logp = torch.where(valid, logp + 0.2 * torch.randn(logp.shape, generator=g), 0.0)
+    # an engine that is not the trainer: truncated importance weights (some above the cap) weight the loss
+    noise = 0.3 * torch.randn(logp.shape, generator=g)
+    rollout.rollout_logp = torch.where(valid, rollout.old_logp + noise, 0.0)
+    RolloutCorrection(cap=1.5)(rollout)
     return rollout
 
 
