@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import datamodule, launch, logprobs, make, make_trainer, update
+from helpers import CONFIGS, datamodule, launch, logprobs, make, make_trainer, run_cli, scalars, update
 
 from lightning_rl.algorithms import GRPO
 from lightning_rl.callbacks import RLCallback
@@ -136,3 +136,28 @@ def test_engine_weights_follow_the_trained_weights_on_two_ranks(tmp_path, kind):
     assert len(steps) == 3 and all(s["dtype"] == "torch.bfloat16" and s["count"] > 10 for s in steps)
     assert [s["diff"] for s in steps] == [0.0, 0.0, 0.0]
     assert all(s["stats"]["rollout/mismatch_k3"] >= 0 for s in steps)
+
+
+# every online algorithm config and the offline ones (whose engine only serves greedy validation)
+OVERLAY_RUNS = ["grpo", "dapo", "ppo", "rloo", "dpo", "sft"]
+
+
+@pytest.mark.parametrize("name", OVERLAY_RUNS)
+def test_bf16_overlay_runs_every_algorithm_through_the_cli(tmp_path, name):
+    """configs/precision/bf16.yaml composes with any algorithm config: bf16 engine, bf16-mixed training,
+    the correction; two steps through the real CLI log finite losses (and, online, the mismatch)."""
+    overlay = CONFIGS / "precision" / "bf16.yaml"
+    cli = run_cli("fit", "--config", CONFIGS / f"{name}.yaml", "--config", overlay,
+                  "--trainer.max_steps", "2", "--trainer.val_check_interval", "1",
+                  "--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps", "0",
+                  "--trainer.log_every_n_steps", "1",
+                  "--trainer.logger.init_args.save_dir", tmp_path, "--trainer.enable_progress_bar", "false")
+    assert cli.trainer.precision == "bf16-mixed" and isinstance(cli.model.engine, CopyEngine)
+    assert next(cli.model.engine.copy.model.parameters()).dtype == torch.bfloat16
+    assert next(cli.model.policy.model.parameters()).dtype == torch.float32  # fp32 master weights
+    logged = scalars(tmp_path)
+    losses = [v for k, series in logged.items() if k.endswith("loss") for _, v in series]
+    assert losses and all(math.isfinite(v) for v in losses)
+    if name not in ("dpo", "sft"):
+        mismatch = [v for _, v in logged["rollout/mismatch_k3"]]
+        assert mismatch and all(v >= 0 for v in mismatch)  # one per rollout (DAPO: 2 steps each)
