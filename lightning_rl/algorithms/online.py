@@ -86,14 +86,14 @@ class OnlineRL(ManualSteps, PolicyModule):
         mask_truncated: bool = False, dynamic_sampling: bool = False, max_gen_batches: int = 3,
         filters: list[RolloutFilter] | None = None, advantage: AdvantageEstimator | None = None,
         behaviour_logp: BehaviourSource = "auto", rollout_correction: RolloutCorrection | None = None,
-        ppo_epochs: int = 1, num_minibatches: int = 1,
-        micro_batch_size: int | None = None, max_grad_norm: float | None = 1.0,
-        ratio_level: RatioLevel = "token", trust_region: TrustRegion = "clip", clip_low: float = 0.2,
-        clip_high: float = 0.2, clip_ratio_c: float | None = None, tau_pos: float = 1.0,
-        tau_neg: float = 1.05, aggregation: Aggregation = "seq-mean-token-mean", kl_coef: float = 0.0,
-        kl_estimator: KLEstimator = "k3",
-        kl_in_reward: bool = False, kl_target: float | None = None, kl_horizon: int = 10000,
-        entropy_coef: float = 0.0, share_prompt_prefix: bool = True, rollout_seed: int = 0, **kwargs: Any,
+        ppo_epochs: int = 1, num_minibatches: int = 1, micro_batch_size: int | None = None,
+        max_grad_norm: float | None = 1.0, ratio_level: RatioLevel = "token",
+        trust_region: TrustRegion = "clip", clip_low: float = 0.2, clip_high: float = 0.2,
+        clip_ratio_c: float | None = None, tau_pos: float = 1.0, tau_neg: float = 1.05,
+        aggregation: Aggregation = "seq-mean-token-mean", kl_coef: float = 0.0,
+        kl_estimator: KLEstimator = "k3", kl_in_reward: bool = False, kl_target: float | None = None,
+        kl_horizon: int = 10000, entropy_coef: float = 0.0, share_prompt_prefix: bool = True,
+        rollout_seed: int = 0, **kwargs: Any,
     ) -> None:
         super().__init__(*args, engine=engine, **kwargs)
         self.automatic_optimization = False
@@ -101,7 +101,7 @@ class OnlineRL(ManualSteps, PolicyModule):
         check_keys(num_generations, self.advantage, entropy_coef, temperature, kl_in_reward, kl_coef,
                    kl_target, kl_horizon)
         self.num_generations, self.sampling = num_generations, self.sampling_params(temperature, top_p, top_k)
-        self.objective = Objective(
+        self.objective = Objective(  # with the KL in the reward, not in the loss
             ratio_level=ratio_level, trust_region=trust_region, clip_low=clip_low, clip_high=clip_high,
             clip_ratio_c=clip_ratio_c, tau_pos=tau_pos, tau_neg=tau_neg, aggregation=aggregation,
             kl_coef=0.0 if kl_in_reward else kl_coef, kl_estimator=kl_estimator)
@@ -113,12 +113,9 @@ class OnlineRL(ManualSteps, PolicyModule):
         self.rewards = RewardScorer(functions, reward_weights, on_reward_error, max_reward_error_frac) \
             if functions is not None else None
         self.correctness_fn = import_reward(correctness_fn) if correctness_fn else self.accuracy_fn
-        scorer = RewardModelScorer(reward_model, trust_remote_code=kwargs.get("trust_remote_code", False)) \
-            if reward_model else None  # a plain object: never checkpointed or optimised
-        self.reward_pipeline = RewardPipeline(
-            self.rewards, self.correctness_fn, reward_model=scorer, reward_model_weight=reward_model_weight,
-            render=self.render_for_reward_model,
-            overlong=overlong_shaping(overlong_buffer, overlong_penalty_factor, self.max_new_tokens))
+        remote = kwargs.get("trust_remote_code", False)
+        self.reward_pipeline = self.reward_stage(reward_model, reward_model_weight, overlong_buffer,
+                                                 overlong_penalty_factor, remote)
         self.filters = ([DynamicSampling(max_gen_batches)] if dynamic_sampling else []) + list(filters or [])
         self.behaviour_logp = behaviour_logp
         self.correction = rollout_correction if rollout_correction is not None else RolloutCorrection()
@@ -126,11 +123,22 @@ class OnlineRL(ManualSteps, PolicyModule):
         self.mask_truncated, self.entropy_coef = mask_truncated, entropy_coef
         self.share_prompt_prefix, self.rollout_seed = share_prompt_prefix, rollout_seed
         self.critic: Any = None  # PPO's value model: a second trained model
-        # The reference is the policy as loaded (also when resuming: the checkpoint's weights arrive later), a
-        # plain __dict__ entry: frozen, out of the module tree, checkpoints and optimisers.
+        # The reference: the policy as loaded (resuming too), frozen, out of checkpoints and optimisers.
         needs_reference = self.objective.needs_reference or self.kl_reward is not None
         self.__dict__["_reference"] = self.policy.reference() if needs_reference else None
         self._generation_round = 0
+
+    def reward_stage(self, reward_model: str | None, weight: float, overlong_buffer: int | str | None,
+                     overlong_factor: float, trust_remote_code: bool) -> RewardPipeline:
+        """The rewards stage over ``self.rewards`` and ``self.correctness_fn``; a reward model is a plain
+        object (never checkpointed or optimised)."""
+        scorer = None
+        if reward_model:
+            scorer = RewardModelScorer(reward_model, trust_remote_code=trust_remote_code)
+        overlong = overlong_shaping(overlong_buffer, overlong_factor, self.max_new_tokens)
+        return RewardPipeline(self.rewards, self.correctness_fn, reward_model=scorer,
+                              reward_model_weight=weight, render=self.render_for_reward_model,
+                              overlong=overlong)
 
     def render_for_reward_model(self, prompts: list[Any]) -> tuple[list[str], bool]:
         texts = render_prompts(self.tokenizer, prompts, self.chat_template)
