@@ -57,6 +57,14 @@ def _check_groups(n: int, group_size: int) -> None:
         raise ValueError(f"`group_size` must be >= 2 and divide the batch size {n}, got {group_size}")
 
 
+def _grouped(rewards: Tensor, group_size: int) -> Tensor:
+    """``[N / G, G]`` float view of 1-D rewards in consecutive groups (checked)."""
+    check_shapes("rewards", rewards, ndim=1)
+    _check_groups(rewards.shape[0], group_size)
+    grouped = rewards.reshape(-1, group_size)
+    return grouped if grouped.is_floating_point() else grouped.float()
+
+
 def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-8, scale: bool = True) -> Tensor:
     """GRPO group-relative advantages: ``(r - mean_g) / (std_g + eps)`` per consecutive group of
     ``group_size``.
@@ -70,10 +78,7 @@ def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-8, scale:
     Returns:
         ``[N]`` advantages (floating point).
     """
-    check_shapes("rewards", rewards, ndim=1)
-    _check_groups(rewards.shape[0], group_size)
-    grouped = rewards.reshape(-1, group_size)
-    grouped = grouped if grouped.is_floating_point() else grouped.float()
+    grouped = _grouped(rewards, group_size)
     centered = grouped - grouped.mean(-1, keepdim=True)
     if scale:
         centered = centered / (grouped.std(-1, keepdim=True) + eps)
@@ -92,10 +97,7 @@ def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
     Returns:
         ``[N]`` advantages (floating point).
     """
-    check_shapes("rewards", rewards, ndim=1)
-    _check_groups(rewards.shape[0], group_size)
-    grouped = rewards.reshape(-1, group_size)
-    grouped = grouped if grouped.is_floating_point() else grouped.float()
+    grouped = _grouped(rewards, group_size)
     others = grouped.sum(-1, keepdim=True) - grouped
     return (grouped - others / (group_size - 1)).reshape(-1)
 

@@ -25,7 +25,7 @@ from lightning_rl.advantages import (
     kl_penalty,
     masked_moments,
     moments_mean_var,
-    reinforce_baseline_advantages,
+    reinforce_baseline_centered,
     rloo_advantages,
     token_rewards,
     whiten,
@@ -82,15 +82,12 @@ class ReinforceBaseline(AdvantageEstimator):
 
     def __call__(self, rollout: Rollout, collectives: Collectives) -> tuple[Tensor, dict[str, float]]:
         mask = rollout.loss_mask
-        scores = sequence_scores(rollout)
-        size = group_size(rollout) if len(rollout) else 1
-        centred = (group_advantages(scores, size, scale=False) if len(rollout) else scores)
-        centred = centred[:, None].expand_as(mask).float() * mask
-        moments = collectives.sum(masked_moments(centred, mask))
-        if not len(rollout):
-            return mask.new_zeros(mask.shape).float(), {}
-        adv = reinforce_baseline_advantages(scores, size, mask, self.eps, moments=moments)
-        return adv, {}
+        centred = mask.new_zeros(mask.shape).float()
+        if len(rollout):
+            centred = reinforce_baseline_centered(sequence_scores(rollout), group_size(rollout), mask)
+        moments = collectives.sum(masked_moments(centred, mask))  # every rank, whatever its rows
+        # reinforce_baseline_advantages(..., moments=moments), without centring the rewards twice
+        return whiten(centred, mask, moments, self.eps), {}
 
 
 class GAE(AdvantageEstimator):

@@ -15,6 +15,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import lightning_rl.logprobs
 from lightning_rl.algorithms import GRPO
 from lightning_rl.cli import LightningRLCLI
 from lightning_rl.data import PromptDataModule
@@ -49,6 +50,20 @@ def logprobs(module, rollout, scorer=None):
     return score_rollout(scorer, rollout, temperature=module.sampling.temperature,
                          micro_batch_size=module.updater.micro_batch_size,
                          collectives=Collectives(module._trainer), joiner=joiner)
+
+
+def spy_policy_scoring(monkeypatch, module) -> list[int]:
+    """Record the size of every rollout the step's log-prob passes score with the trained policy itself
+    (the behaviour pass under ``recompute``); the ``logprobs`` helpers is not counted."""
+    calls, original = [], lightning_rl.logprobs.score_rollout
+
+    def spy(scorer, rollout, **kw):
+        if scorer is module.policy:
+            calls.append(len(rollout))
+        return original(scorer, rollout, **kw)
+
+    monkeypatch.setattr(lightning_rl.logprobs, "score_rollout", spy)
+    return calls
 
 
 def update(module, minibatch):

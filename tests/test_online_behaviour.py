@@ -13,11 +13,10 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
-from helpers import datamodule, make, make_trainer, read_csv_metrics
+from helpers import datamodule, make, make_trainer, read_csv_metrics, spy_policy_scoring
 from lightning.pytorch.loggers import CSVLogger
 from transformers import AutoTokenizer
 
-import lightning_rl.logprobs
 from lightning_rl.algorithms import DAPO, GRPO
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.collectives import Collectives
@@ -73,20 +72,6 @@ def logprobs(module, rollout, scorer=None) -> torch.Tensor:
                          micro_batch_size=module.updater.micro_batch_size,
                          collectives=Collectives(module.trainer),
                          joiner=module.policy if scorer is module.policy else None)
-
-
-def spy_policy_scoring(monkeypatch, module) -> list[int]:
-    """Record the size of every rollout the step's log-prob passes score with the trained policy itself
-    (the behaviour pass under ``recompute``); this file's ``logprobs`` helper is not counted."""
-    calls, original = [], lightning_rl.logprobs.score_rollout
-
-    def spy(scorer, rollout, **kw):
-        if scorer is module.policy:
-            calls.append(len(rollout))
-        return original(scorer, rollout, **kw)
-
-    monkeypatch.setattr(lightning_rl.logprobs, "score_rollout", spy)
-    return calls
 
 
 # ----------------------------------------------------------------------- a. several updates per rollout

@@ -15,10 +15,9 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from helpers import datamodule, make, make_trainer, read_csv_metrics
+from helpers import datamodule, make, make_trainer, read_csv_metrics, spy_policy_scoring
 from lightning.pytorch.loggers import CSVLogger
 
-import lightning_rl.logprobs
 from lightning_rl.algorithms import DAPO, GRPO, GSPO, SAPO, OnlineRL
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.collectives import Collectives
@@ -109,20 +108,6 @@ def behaviour_passes(module) -> LogProbPasses:
     """The step's log-prob passes as the module configures them now (``behaviour_logp`` resolved)."""
     behaviour = resolve_behaviour(module.behaviour_logp, module.updater.updates_per_rollout, module.engine)
     return LogProbPasses(behaviour, module.sampling.temperature, module.updater.micro_batch_size)
-
-
-def spy_policy_scoring(monkeypatch, module) -> list[int]:
-    """Record the size of every rollout the step's log-prob passes score with the trained policy itself
-    (the behaviour pass under ``recompute``); this file's ``logprobs`` helper is not counted."""
-    calls, original = [], lightning_rl.logprobs.score_rollout
-
-    def spy(scorer, rollout, **kw):
-        if scorer is module.policy:
-            calls.append(len(rollout))
-        return original(scorer, rollout, **kw)
-
-    monkeypatch.setattr(lightning_rl.logprobs, "score_rollout", spy)
-    return calls
 
 
 # reward functions named by path -------------------------------------------------------------------------
