@@ -171,14 +171,16 @@ def rollout_stats(rollout: Rollout) -> dict[str, tuple[Tensor, float]]:
     """``rollout/*`` statistics of one (non-empty) rollout as ``{name: (value, weight)}``."""
     n = float(len(rollout))
     rewards = rollout.rewards.float()
-    _, sizes = torch.unique_consecutive(rollout.group_ids, return_counts=True)
-    groups = torch.split(rewards, sizes.tolist())
-    zero_std = torch.stack([(g.max() == g.min()).float() for g in groups])
+    _, inverse = torch.unique_consecutive(rollout.group_ids, return_inverse=True)
+    n_groups = int(inverse.max()) + 1
+    high = rewards.new_full((n_groups,), -torch.inf).scatter_reduce(0, inverse, rewards, "amax")
+    low = rewards.new_full((n_groups,), torch.inf).scatter_reduce(0, inverse, rewards, "amin")
+    zero_std = (high == low).float()
     return {
         "rollout/reward_mean": (rewards.mean(), n),
         "rollout/reward_std": (rewards.std() if len(rewards) > 1 else rewards.new_zeros(()), n),
         "rollout/correct_frac": (rollout.correct.float().mean(), n),
         "rollout/response_length_mean": (rollout.lengths.float().mean(), n),
         "rollout/truncated_frac": (rollout.truncated.float().mean(), n),
-        "rollout/zero_std_group_frac": (zero_std.mean(), float(len(groups))),
+        "rollout/zero_std_group_frac": (zero_std.mean(), float(n_groups)),
     }
