@@ -8,11 +8,15 @@ from typing import Any
 from lightning_rl.keys import VAL_WEIGHT_KEY
 
 
-def render_prompts(tokenizer: Any, prompts: Sequence[Any], chat_template: bool) -> list[str]:
+def render_prompts(
+    tokenizer: Any, prompts: Sequence[Any], chat_template: bool, tools: list[dict] | None = None
+) -> list[str]:
     """Prompt texts as the model sees them.
 
     A prompt that is a list of ``{"role", "content"}`` messages is always rendered with the
     tokenizer's chat template; a plain string is rendered as one user message when ``chat_template``.
+    ``tools`` (function schemas, ``lightning_rl.tools.Tool.schema``) are passed to the chat template when
+    given; a plain string rendered without the template does not show them.
     """
     out = []
     for p in prompts:
@@ -24,7 +28,10 @@ def render_prompts(tokenizer: Any, prompts: Sequence[Any], chat_template: bool) 
             raise ValueError(
                 "`model.chat_template` is on (or prompts are messages) but the tokenizer has no chat template"
             )
-        out.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        extra = {} if tools is None else {"tools": tools}  # unchanged calls when no tools are configured
+        out.append(
+            tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+        )
     return out
 
 
