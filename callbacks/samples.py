@@ -44,18 +44,40 @@ def escape_cell(text: str) -> str:
     return text.replace("\r\n", "\n").replace("\n", "<br>")
 
 
+def turns_cell(turns: Sequence[Mapping[str, str]], max_chars: int) -> str:
+    """An episode as one cell: each turn on its own line after its role in bold (``**assistant:**``,
+    ``**tool:**``), each turn's text shortened to ``max_chars`` and escaped."""
+    cells = [f"**{t['role']}:** " + escape_cell(shorten(str(t["content"]), max_chars)) for t in turns]
+    return "<br>".join(cells)
+
+
 def markdown_table(
     prompts: Sequence[Any], completions: Sequence[str], rewards: Sequence[float], correct: Sequence[Any],
-    max_chars: int = 200,
+    max_chars: int = 200, turns: Sequence[Sequence[Mapping[str, str]]] | None = None,
 ) -> str:
     """A Markdown table with one row per sample: prompt, completion (each shortened to ``max_chars`` and
-    escaped), reward (3 decimals) and correctness (``yes`` / ``no``)."""
+    escaped; an episode's ``turns`` one per line instead), reward (3 decimals) and correctness."""
     lines = [HEADER]
-    for p, c, r, ok in zip(prompts, completions, rewards, correct, strict=True):
-        cells = [escape_cell(shorten(str(p), max_chars)), escape_cell(shorten(c, max_chars)),
-                 f"{float(r):.3f}", "yes" if bool(ok) else "no"]
+    for i, (p, c, r, ok) in enumerate(zip(prompts, completions, rewards, correct, strict=True)):
+        shown = turns_cell(turns[i], max_chars) if turns is not None else escape_cell(shorten(c, max_chars))
+        cells = [escape_cell(shorten(str(p), max_chars)), shown, f"{float(r):.3f}",
+                 "yes" if bool(ok) else "no"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def episode_turns(tokenizer: Any, ids: torch.Tensor, mask: torch.Tensor,
+                  model_mask: torch.Tensor) -> list[dict[str, str]]:
+    """An episode's completion split into its runs of sampled (``model``) and observation tokens, decoded."""
+    ids, model = ids[mask.bool()].tolist(), model_mask[mask.bool()].tolist()
+    turns: list[dict[str, str]] = []
+    start = 0
+    for end in range(1, len(ids) + 1):
+        if end == len(ids) or model[end] != model[start]:
+            text = tokenizer.decode(ids[start:end], skip_special_tokens=True)
+            turns.append({"role": "model" if model[start] else "observation", "content": text})
+            start = end
+    return turns
 
 
 def spread_rows(group_ids: torch.Tensor, k: int) -> list[int]:
@@ -125,8 +147,11 @@ class LogSamples(RLCallback):
         # every token in the context (EOS included), even where the loss mask is off (`mask_truncated`)
         prompts = pl_module.decode(part.prompt_ids, part.prompt_mask)
         completions = pl_module.decode(part.completion_ids, part.attention_mask)
+        turns = None if part.model_mask is None else [
+            episode_turns(pl_module.tokenizer, ids, mask, model) for ids, mask, model
+            in zip(part.completion_ids, part.attention_mask, part.model_mask, strict=True)]
         table = markdown_table(prompts, completions, part.rewards.tolist(), part.correct.tolist(),
-                               self.max_chars)
+                               self.max_chars, turns)
         self.write(trainer, "samples/train", table)
 
     def on_validation_batch_end(
@@ -141,5 +166,6 @@ class LogSamples(RLCallback):
         prompts, completions = list(outputs["prompts"][:k]), list(outputs["completions"][:k])
         columns = {name: list(values[:k]) for name, values in outputs["columns"].items()}
         rewards = pl_module.sample_rewards(prompts, completions, list(outputs["lengths"][:k]), columns)
-        table = markdown_table(prompts, completions, rewards, list(outputs["correct"][:k]), self.max_chars)
+        table = markdown_table(prompts, completions, rewards, list(outputs["correct"][:k]), self.max_chars,
+                               columns.get("turns"))
         self.write(trainer, "samples/val", table)

@@ -110,6 +110,8 @@ def gae_advantages(
 
     ``delta_t = r_t + gamma V_{t+1} - V_t`` (``V`` after the last valid token is 0);
     ``A_t = delta_t + gamma lam A_{t+1}``; ``returns = A + V``. Padding positions are 0 in both outputs.
+    ``t+1`` is the next *valid* token: positions outside ``mask`` inside a row (an episode's observation
+    tokens, which the model did not sample) are skipped, as if the valid tokens were contiguous.
 
     Args:
         rewards, values, mask: ``[B, T]`` (per-token rewards).
@@ -127,10 +129,11 @@ def gae_advantages(
     advantages = torch.zeros_like(values)
     next_value = next_adv = values.new_zeros(values.shape[0])
     for t in reversed(range(values.shape[1])):
+        valid = m[:, t] > 0  # invalid tokens are skipped, not ends: an episode's observations are transparent
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_adv = (delta + gamma * lam * next_adv) * m[:, t]
-        advantages[:, t] = next_adv
-        next_value = values[:, t]
+        next_adv = torch.where(valid, delta + gamma * lam * next_adv, next_adv)
+        advantages[:, t] = next_adv * m[:, t]
+        next_value = torch.where(valid, values[:, t], next_value)
     return advantages, (advantages + values) * m
 
 
@@ -175,8 +178,8 @@ def dapo_group_keep(correct: Tensor, group_size: int) -> Tensor:
 # ---- PPO: per-token rewards, whitening, the adaptive KL controller, explained variance ----------------
 def token_rewards(scores: Tensor, mask: Tensor, kl: Tensor | None = None, kl_coef: float = 0.0) -> Tensor:
     """Per-token rewards for GAE: ``-kl_coef * kl_t`` on every valid token, plus the sequence score on
-    the last valid token of its row (InstructGPT / verl's KL-in-reward form). Rows without a valid token
-    get no reward.
+    the last valid token of its row (InstructGPT / verl's KL-in-reward form; with holes in ``mask``, the
+    last one inside it). Rows without a valid token get no reward.
 
     Args:
         scores: ``[B]`` sequence rewards. mask: ``[B, T]`` valid completion tokens (right-padded).
@@ -193,10 +196,16 @@ def token_rewards(scores: Tensor, mask: Tensor, kl: Tensor | None = None, kl_coe
     out = torch.zeros_like(m)
     if kl is not None and kl_coef:
         out = out - kl_coef * kl.float() * m
-    lengths = mask.long().sum(1)
-    rows = torch.nonzero(lengths > 0).squeeze(1)
-    out[rows, lengths[rows] - 1] += scores[rows].float()
+    last = last_valid_index(mask)
+    rows = torch.nonzero(last >= 0).squeeze(1)
+    out[rows, last[rows]] += scores[rows].float()
     return out
+
+
+def last_valid_index(mask: Tensor) -> Tensor:
+    """``[B]`` long: each row's last position inside ``mask`` (-1 for a row without one; holes allowed)."""
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return torch.where(mask.bool(), positions, torch.full_like(positions, -1)).amax(1)
 
 
 def masked_moments(x: Tensor, mask: Tensor) -> Tensor:

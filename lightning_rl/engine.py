@@ -75,6 +75,9 @@ class Generation:
         logits: ``[N, C, V]`` raw logits of each completion token (``return_logits`` only), else None.
         rollout_logp: ``[N, C]`` the engine's log-probs of the sampled tokens (tempered, unfiltered, 0 on
             padding), from engines with ``returns_logprobs``; else None.
+        model_mask: ``[N, C]`` long 0/1 for episodes (``lightning_rl.environments``): 1 on the sampled tokens,
+            0 on observation tokens (which ``completion_mask`` holds: they are context). ``None``: every
+            token of ``completion_mask`` was sampled.
     """
 
     prompt_ids: Tensor
@@ -84,6 +87,7 @@ class Generation:
     truncated: Tensor
     logits: Tensor | None = None
     rollout_logp: Tensor | None = None
+    model_mask: Tensor | None = None
 
     @property
     def lengths(self) -> Tensor:

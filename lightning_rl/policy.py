@@ -128,6 +128,13 @@ class Policy(TokenScorer):
     def eos_token_id(self) -> int:
         return self.tokenizer.eos_token_id
 
+    @property
+    def context_length(self) -> int | None:
+        """The longest sequence the model takes (``max_position_embeddings``), when its config says."""
+        config = getattr(self.model, "config", None)
+        value = getattr(config, "max_position_embeddings", None)
+        return value if isinstance(value, int) else None
+
     def enable_gradient_checkpointing(self) -> None:
         """Recompute activations in backward (non-reentrant: frozen PEFT inputs work)."""
         enable_gradient_checkpointing(self.model)

@@ -45,6 +45,8 @@ class Rollout:
         is_weights: ``[N, C]`` off-policy correction weights (``lightning_rl.correction``), or ``None``.
         token_rewards: ``[N, C]`` per-token rewards (the score on the last token minus a KL-in-reward
             penalty), when a KL penalty is in the reward; else ``None`` (``rewards`` alone).
+        model_mask: ``[N, C]`` 1 on the tokens the model sampled, for episodes (observation tokens are 0:
+            context, never loss); ``None`` for single-turn rollouts (every ``attention_mask`` token).
         values: ``[N, C]`` critic values at rollout time (PPO), else ``None``.
         returns: ``[N, C]`` value targets (PPO), else ``None``.
     """
@@ -65,6 +67,7 @@ class Rollout:
     rollout_logp: Tensor | None = None
     token_rewards: Tensor | None = None
     is_weights: Tensor | None = None
+    model_mask: Tensor | None = None
     values: Tensor | None = None
     returns: Tensor | None = None
 
@@ -95,13 +98,14 @@ class Rollout:
     @classmethod
     def from_generation(cls, gen: Generation, group_ids: Tensor, rewards: Tensor, correct: Tensor,
                         mask_truncated: bool = False) -> Rollout:
-        """A rollout of ``gen``: the loss counts every sampled token (not truncated rows' when
-        ``mask_truncated``)."""
-        loss_mask = gen.completion_mask
+        """A rollout of ``gen``: the loss counts every sampled token (not observation tokens of episodes, not
+        truncated rows' when ``mask_truncated``)."""
+        loss_mask = gen.completion_mask if gen.model_mask is None else gen.model_mask
         if mask_truncated:
             loss_mask = loss_mask * (~gen.truncated).long()[:, None]
         return cls(gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask, loss_mask,
-                   gen.truncated, gen.lengths, group_ids, rewards, correct, rollout_logp=gen.rollout_logp)
+                   gen.truncated, gen.lengths, group_ids, rewards, correct, rollout_logp=gen.rollout_logp,
+                   model_mask=gen.model_mask)
 
     @staticmethod
     def cat(parts: list[Rollout]) -> Rollout:

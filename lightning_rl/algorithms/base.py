@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
@@ -36,6 +37,17 @@ from lightning_rl.sharding import (
     strategy_is,
     validate_fsdp_args,
 )
+
+
+@dataclass
+class Completions:
+    """Completions of a batch: ``texts`` (an episode's final model turn), ``lengths`` in tokens (EOS
+    included; an episode's every token after the prompt), and each episode's ``turns`` as messages (``None``
+    for single-turn completions)."""
+
+    texts: list[str]
+    lengths: list[int]
+    turns: list[list[dict[str, str]]] | None = None
 
 
 class PolicyModule(L.LightningModule):
@@ -188,7 +200,7 @@ class PolicyModule(L.LightningModule):
     def prompt_lengths(self, prompts: Sequence[Any]) -> list[int]:
         """Token counts of ``prompts`` exactly as ``encode_prompts`` will feed them (one batched call per
         special-token setting)."""
-        texts = render_prompts(self.tokenizer, prompts, self.chat_template)
+        texts = render_prompts(self.tokenizer, prompts, self.chat_template, tools=self.prompt_tools)
         special = self.add_special_tokens(prompts)
         lengths = [0] * len(texts)
         for flag in (True, False):
@@ -258,8 +270,10 @@ class PolicyModule(L.LightningModule):
         specials (decided row by row, so a row's tokens never depend on the rest of its batch)."""
         return [not self.chat_template and isinstance(p, str) for p in prompts]
 
+    prompt_tools: list[dict] | None = None  # tool schemas rendered into prompts by the chat template
+
     def encode_prompts(self, prompts: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        texts = render_prompts(self.tokenizer, prompts, self.chat_template)
+        texts = render_prompts(self.tokenizer, prompts, self.chat_template, tools=self.prompt_tools)
         return self.policy.encode_prompts(texts, self.max_prompt_length,
                                           add_special_tokens=self.add_special_tokens(prompts))
 
@@ -297,16 +311,25 @@ class PolicyModule(L.LightningModule):
 
     def greedy(self, prompts: Sequence[Any]) -> tuple[list[str], list[int]]:
         """Greedy completions of ``prompts`` and their lengths in tokens (EOS included)."""
-        gen = self.generate(prompts, sampling=self.sampling_params(do_sample=False))
-        return self.decode(gen.completion_ids, gen.completion_mask), gen.lengths.tolist()
+        done = self.complete({"prompt": list(prompts)}, sampling=self.sampling_params(do_sample=False))
+        return done.texts, done.lengths
+
+    def complete(self, batch: dict[str, list], *, num_samples: int = 1, sampling: SamplingParams,
+                 seed: int | None = None) -> Completions:
+        """``num_samples`` completions of each prompt row of ``batch`` (validation and predict): the engine's
+        texts here; whole episodes in modules with an environment or tools (``OnlineRL``)."""
+        gen = self.generate(batch["prompt"], num_samples=num_samples, sampling=sampling, seed=seed)
+        return Completions(self.decode(gen.completion_ids, gen.completion_mask), gen.lengths.tolist())
 
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> dict[str, Any]:
         """Greedy completions of the batch's held-out prompts, scored into ``val/accuracy`` (and the
         subclass's ``validation_extra``). Returns what callbacks may show (``LogSamples``): the real rows'
         ``prompts``, ``completions``, ``lengths``, ``correct`` and other data ``columns``."""
         batch, weight = real_rows(batch)
-        completions, lengths = self.greedy(batch["prompt"])
-        columns = batch_columns(batch)
+        done = self.complete(batch, sampling=self.sampling_params(do_sample=False))
+        completions, lengths, columns = done.texts, done.lengths, batch_columns(batch)
+        if done.turns is not None:
+            columns = {**columns, "turns": done.turns}
         scores = self.correct(batch["prompt"], completions, columns)
         acc = torch.tensor([float(s) for s in scores], device=self.device)
         self.log_val_mean("val/accuracy", acc.mean(), weight)
@@ -354,12 +377,14 @@ class PolicyModule(L.LightningModule):
         temperature = temperature if temperature is not None else getattr(
             getattr(self, "sampling", None), "temperature", 1.0)
         trained = getattr(self, "sampling", None) or self.sampling_params()
-        gen = self.generate(batch["prompt"], num_samples=n, sampling=self.sampling_params(
+        done = self.complete(batch, num_samples=n, sampling=self.sampling_params(
             temperature, trained.top_p, trained.top_k, do_sample=sample))
-        completions, lengths = self.decode(gen.completion_ids, gen.completion_mask), gen.lengths.tolist()
+        completions, lengths = done.texts, done.lengths
         data = {k: v for k, v in batch_columns(batch).items() if k != ROW_INDEX_KEY}
         prompts = [p for p in batch["prompt"] for _ in range(n)]
         columns = {k: [v for v in values for _ in range(n)] for k, values in data.items()}
+        if done.turns is not None:
+            columns["turns"] = done.turns
         rewards = self.sample_rewards(prompts, completions, lengths, columns)
         correct = self.correct(prompts, completions, columns)
         weights = batch.get(VAL_WEIGHT_KEY) or [1.0] * len(batch["prompt"])
@@ -370,9 +395,10 @@ class PolicyModule(L.LightningModule):
             if weights[row_idx] <= 0:
                 continue
             answer = {"answer": columns["answer"][i]} if "answer" in columns else {}
+            turns = {"turns": done.turns[i]} if done.turns is not None else {}
             rows.append({"index": index[row_idx], "sample": i % n, "prompt": prompts[i], **answer,
-                         "completion": completions[i], "reward": rewards[i], "correct": bool(correct[i]),
-                         "length": int(lengths[i])})
+                         "completion": completions[i], **turns, "reward": rewards[i],
+                         "correct": bool(correct[i]), "length": int(lengths[i])})
         return rows
 
     # ---- validation metrics: exact means over held-out rows on any world size ---------------------

@@ -18,11 +18,12 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_rl.algorithms.base import PolicyModule
+from lightning_rl.algorithms.base import Completions, PolicyModule
 from lightning_rl.algorithms.stepping import ManualSteps
 from lightning_rl.collectives import Collectives
 from lightning_rl.correction import RolloutCorrection
-from lightning_rl.engine import RolloutEngine
+from lightning_rl.engine import RolloutEngine, SamplingParams
+from lightning_rl.environments import Environment, EpisodeBatch, episode_runner
 from lightning_rl.estimators import AdvantageEstimator, GroupNormalized, KLInReward
 from lightning_rl.filters import DynamicSampling, RolloutFilter
 from lightning_rl.logprobs import BehaviourSource, LogProbPasses, resolve_behaviour, score_values
@@ -32,6 +33,7 @@ from lightning_rl.prompts import batch_columns, render_prompts
 from lightning_rl.reward_model import RewardModelScorer
 from lightning_rl.rewards import RewardPipeline, RewardScorer, import_reward, overlong_shaping
 from lightning_rl.rollout import Rollout, exclude_nonfinite, merge_stats
+from lightning_rl.tools import HermesFormat
 from lightning_rl.update import TrainedModel, Updater
 
 
@@ -73,6 +75,20 @@ class OnlineRL(ManualSteps, PolicyModule):
         share_prompt_prefix: run each distinct prompt once in sampling and scoring (same numbers; off
             under FSDP2 / ZeRO-3, and for scoring under gradient checkpointing).
         rollout_seed: sampling is seeded by (this, step, round, rank): a resumed run samples the same.
+        environment: multi-turn episodes (``lightning_rl.environments.Environment`` as ``class_path``): the
+            environment answers each model turn without a tool call; its step and final rewards are added to
+            the reward functions' (``reward_fns: []`` for the environment's alone).
+        tools: callables the model may call (``package.module:function``; ``lightning_rl.tools``), their
+            schemas rendered by the chat template where it supports tools; with tools or an environment
+            every rollout, validation and prediction is an episode (``lightning_rl.environments``).
+        max_turns: model turns per episode; ``max_new_tokens`` is then the budget of one turn.
+        max_episode_tokens: tokens after the prompt (model and observation tokens) per episode; an episode
+            that would pass it ends ``truncated``. ``None``: ``max_turns * max_new_tokens``.
+        tool_format: ``auto`` (Hermes ``<tool_call>`` JSON through a chat template that supports tools, else
+            the plain ``<tool>name(args)</tool>`` format), ``hermes`` or ``plain`` (``lightning_rl.tools``).
+        tool_timeout: seconds a tool call may take; a slower call answers an error observation.
+        on_env_error: ``raise`` stops on an environment exception, naming it and the episode; ``zero`` ends
+            the episode with return 0 and counts it in ``rollout/env_errors``.
         **kwargs: see :class:`~lightning_rl.algorithms.base.PolicyModule`.
     """
 
@@ -93,7 +109,10 @@ class OnlineRL(ManualSteps, PolicyModule):
         aggregation: Aggregation = "seq-mean-token-mean", kl_coef: float = 0.0,
         kl_estimator: KLEstimator = "k3", kl_in_reward: bool = False, kl_target: float | None = None,
         kl_horizon: int = 10000, entropy_coef: float = 0.0, share_prompt_prefix: bool = True,
-        rollout_seed: int = 0, **kwargs: Any,
+        rollout_seed: int = 0, environment: Environment | None = None, tools: list[str] | None = None,
+        max_turns: int = 4, max_episode_tokens: int | None = None,
+        tool_format: Literal["auto", "hermes", "plain"] = "auto", tool_timeout: float = 10.0,
+        on_env_error: Literal["raise", "zero"] = "raise", **kwargs: Any,
     ) -> None:
         super().__init__(*args, engine=engine, **kwargs)
         self.automatic_optimization = False
@@ -108,8 +127,17 @@ class OnlineRL(ManualSteps, PolicyModule):
         in_reward = kl_in_reward and kl_coef > 0
         self.kl_reward = KLInReward(kl_coef, kl_estimator, kl_target, kl_horizon) if in_reward else None
         self.updater = Updater(ppo_epochs, num_minibatches, micro_batch_size, max_grad_norm)
+        self.episodes = episode_runner(
+            environment, tools, tokenizer=self.tokenizer, chat=self.chat_template, max_turns=max_turns,
+            max_new_tokens=self.max_new_tokens, max_episode_tokens=max_episode_tokens,
+            max_prompt_length=self.max_prompt_length, context=self.policy.context_length,
+            tool_format=tool_format, tool_timeout=tool_timeout, on_env_error=on_env_error)
+        if self.episodes is not None and isinstance(self.episodes.format, HermesFormat):
+            self.prompt_tools = [t.schema for t in self.episodes.tools.values()] or None
         default = None if reward_model else ["lightning_rl.rewards:exact_match"]
         functions = reward_fns if reward_fns is not None else default
+        if functions == [] and self.episodes is not None and environment is not None:
+            functions = None  # the environment's rewards alone
         self.rewards = RewardScorer(functions, reward_weights, on_reward_error, max_reward_error_frac) \
             if functions is not None else None
         self.correctness_fn = import_reward(correctness_fn) if correctness_fn else self.accuracy_fn
@@ -135,7 +163,8 @@ class OnlineRL(ManualSteps, PolicyModule):
         scorer = None
         if reward_model:
             scorer = RewardModelScorer(reward_model, trust_remote_code=trust_remote_code)
-        overlong = overlong_shaping(overlong_buffer, overlong_factor, self.max_new_tokens)
+        budget = self.episodes.max_episode_tokens if self.episodes is not None else self.max_new_tokens
+        overlong = overlong_shaping(overlong_buffer, overlong_factor, budget)
         return RewardPipeline(self.rewards, self.correctness_fn, reward_model=scorer,
                               reward_model_weight=weight, render=self.render_for_reward_model,
                               overlong=overlong)
@@ -185,17 +214,45 @@ class OnlineRL(ManualSteps, PolicyModule):
                      self.global_rank)) % 2**31
         self._generation_round += 1
         start = time.perf_counter()
-        gen = self.generate(prompts, num_samples=G, sampling=self.sampling, seed=seed)
-        gen_time = time.perf_counter() - start
-        texts = self.decode(gen.completion_ids, gen.completion_mask)
         columns = {k: [v for v in vals for _ in range(G)] for k, vals in batch_columns(batch).items()}
+        episodes = None
+        if self.episodes is not None:
+            episodes = self.run_episodes(batch, G, self.sampling, seed, collectives)
+            gen, texts, columns["turns"] = episodes.generation, episodes.texts, episodes.turns
+        else:
+            gen = self.generate(prompts, num_samples=G, sampling=self.sampling, seed=seed)
+            texts = self.decode(gen.completion_ids, gen.completion_mask)
+        gen_time = time.perf_counter() - start
         result = self.reward_pipeline([p for p in prompts for _ in range(G)], texts, gen.lengths.tolist(),
                                       columns, collectives=collectives, decide=decide)
+        rewards, correct, stats = result.rewards, result.correct, result.stats
+        if episodes is not None:
+            rewards, correct = rewards + episodes.returns, episodes.correct(correct)
+            stats = {**stats, **episodes.stats}
+            gen_time -= stats["perf/env_time"]
         group_ids = torch.arange(len(prompts), device=self.device).repeat_interleave(G)
-        rollout = Rollout.from_generation(gen, group_ids, result.rewards.to(self.device),
-                                          result.correct.to(self.device), self.mask_truncated)
-        return rollout, {**result.stats, "perf/generation_time": gen_time,
-                         "perf/generated_tokens": float(gen.lengths.sum())}
+        rollout = Rollout.from_generation(gen, group_ids, rewards.to(self.device), correct.to(self.device),
+                                          self.mask_truncated)
+        sampled = gen.lengths if gen.model_mask is None else gen.model_mask.sum(-1)
+        return rollout, {**stats, "perf/generation_time": gen_time,
+                         "perf/generated_tokens": float(sampled.sum())}
+
+    def run_episodes(self, batch: dict[str, list], num_samples: int, sampling: SamplingParams,
+                     seed: int | None, collectives: Collectives | None) -> EpisodeBatch:
+        """``num_samples`` episodes per prompt row of ``batch`` with the module's engine."""
+        rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+        self.attach_engine()
+        return self.episodes(rows, num_samples=num_samples, sampling=sampling, seed=seed,
+                             encode=self.encode_prompts, generate=self.engine.generate,
+                             collectives=collectives, synced=bool(getattr(self.engine, "synced", False)))
+
+    def complete(self, batch: dict[str, list], *, num_samples: int = 1, sampling: SamplingParams,
+                 seed: int | None = None) -> Completions:
+        """Validation and predict: whole episodes when the module has an environment or tools."""
+        if self.episodes is None:
+            return super().complete(batch, num_samples=num_samples, sampling=sampling, seed=seed)
+        done = self.run_episodes(batch, num_samples, sampling, seed, Collectives(self._trainer))
+        return Completions(done.texts, done.generation.lengths.tolist(), done.turns)
 
     def refill(self) -> tuple[Rollout, dict[str, float]]:
         """A fresh prompt batch from the DataModule's refill stream, sampled and scored (for filters)."""
@@ -203,7 +260,8 @@ class OnlineRL(ManualSteps, PolicyModule):
         if refill_batch is None:
             raise RuntimeError("dynamic sampling needs a DataModule with `refill_batch()` (PromptDataModule)")
         rollout, stats = self.sample(refill_batch(), Collectives(self.trainer), decide=False)
-        stats.pop("rollout/overlong_penalty_mean")  # a mean: the first round's stands for the step
+        for name in [k for k in stats if k.endswith("_mean") or k == "rollout/env_time"]:
+            stats.pop(name)  # means: the first round's stand for the step
         return rollout, stats
 
     def estimate(self, rollout: Rollout, collectives: Collectives) -> tuple[Rollout, dict[str, float]]:

@@ -1,0 +1,212 @@
+"""Multi-turn episodes (``lightning_rl.environments``): token in / token out, masks, budgets, tools, errors.
+
+Most tests drive :class:`EpisodeRunner` with a scripted ``generate`` (each call answers the next scripted turn
+and records the exact context it was given), so every id is known; the module tests run the real engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make, make_trainer
+
+from lightning_rl.engine import SamplingParams, make_generation
+from lightning_rl.environments import Environment, EpisodeError, EpisodeRunner, StepResult
+from lightning_rl.losses import aggregate
+from lightning_rl.models import build_char_tokenizer
+from lightning_rl.rollout import Rollout
+from lightning_rl.tools import HermesFormat, PlainFormat, Tool
+
+TOK = build_char_tokenizer()
+EOS, PAD = TOK.eos_token_id, TOK.pad_token_id
+# A chat template that rewrites history: earlier assistant turns lose their <think> block (Qwen3 does this).
+THINK_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}A:"
+    "{% if loop.last %}{{ m['content'] }}{% else %}{{ m['content'].split('</think>')[-1] }}{% endif %}"
+    "<eos>\n{% else %}{{ m['role'][0] | upper }}:{{ m['content'] }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}A:{% endif %}"
+)
+
+
+def ids(text: str) -> list[int]:
+    return TOK(text, add_special_tokens=False)["input_ids"]
+
+
+class Scripted:
+    """A ``generate`` that answers turn ``k`` of every row with ``turns[k]`` (+ EOS unless ``no_eos``),
+    recording each call's contexts as id lists (left padding removed)."""
+
+    def __init__(self, turns: list[str], no_eos: bool = False) -> None:
+        self.turns, self.no_eos, self.contexts, self.calls = turns, no_eos, [], 0
+
+    def __call__(self, prompt_ids, prompt_mask, *, num_samples, sampling, seed):
+        ids_, mask = prompt_ids.repeat_interleave(num_samples, 0), prompt_mask.repeat_interleave(num_samples, 0)
+        self.contexts.append([row[m.bool()].tolist() for row, m in zip(ids_, mask, strict=True)])
+        text = self.turns[min(self.calls, len(self.turns) - 1)]
+        self.calls += 1
+        out = ids(text)[: sampling.max_new_tokens] + ([] if self.no_eos else [EOS])
+        out = out[: sampling.max_new_tokens]
+        completion = torch.tensor([out] * ids_.shape[0])
+        return make_generation(ids_, mask, completion, EOS, PAD)
+
+
+def encode(prompts):
+    texts = [TOK.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+             if TOK.chat_template else p for p in prompts]
+    from lightning_rl.pairs import pad_rows
+
+    return pad_rows([ids(t) for t in texts], PAD, left=True)
+
+
+class Echo(Environment):
+    """Answers each turn with ``obs N`` until the row's ``needed`` turns; rewards 1 per step."""
+
+    def reset(self, row):
+        self.n, self.needed = 0, int(row.get("needed", 2))
+
+    def step(self, turn):
+        self.n += 1
+        done = self.n >= self.needed
+        return StepResult(observation=None if done else f"obs {self.n}", reward=1.0, done=done,
+                          info={"correct": turn.endswith("!")})
+
+
+def runner(env=None, tools=(), fmt=None, chat=False, **kw) -> EpisodeRunner:
+    return EpisodeRunner(env, list(tools), fmt or PlainFormat(), TOK, chat=chat, **kw)
+
+
+def run(r: EpisodeRunner, gen: Scripted, rows, n=2, max_new=40):
+    return r(rows, num_samples=n, sampling=SamplingParams(max_new_tokens=max_new), seed=0, encode=encode,
+             generate=gen)
+
+
+@pytest.fixture
+def think_template():
+    TOK.chat_template = THINK_TEMPLATE
+    yield
+    TOK.chat_template = None
+
+
+def test_token_in_token_out_under_a_template_that_rewrites_history(think_template):
+    """Turn 2's context is exactly the prompt + turn 1's sampled ids + the observation's ids: the <think>
+    block the template would drop from history is still there, and the trained ids are the sampled ids.
+    (Broken variant that fails this: re-rendering the conversation with apply_chat_template each turn.)"""
+    gen = Scripted(["<think>hm</think>x", "y!"])
+    out = run(runner(Echo(), chat=True), gen, [{"prompt": "q", "needed": 2}], n=1)
+    prompt = ids("U:q\nA:")
+    turn1, obs = ids("<think>hm</think>x") + [EOS], ids("\nU:obs 1\nA:")
+    assert gen.contexts == [[prompt], [prompt + turn1 + obs]]
+    gen_ = out.generation
+    assert gen_.completion_ids[0].tolist() == turn1 + obs + ids("y!") + [EOS]
+    model = gen_.model_mask[0].bool()
+    assert gen_.completion_ids[0][model].tolist() == turn1 + ids("y!") + [EOS]
+    assert gen_.completion_mask[0].sum() == len(turn1) + len(obs) + 3
+    (ep,) = out.episodes
+    assert [t.role for t in ep.turns] == ["assistant", "environment", "assistant"]
+    assert ep.final_text == "y!" and ep.correct is True and out.returns.tolist() == [2.0]
+
+
+def test_masks_every_aggregation_counts_model_tokens_only():
+    """The rollout's loss mask is the sampled tokens; each aggregation of per-token values equals the one
+    over the model tokens alone and differs from the one that also counts the observation tokens."""
+    out = run(runner(Echo()), Scripted(["ab", "cde!"]), [{"prompt": "p", "needed": 2}, {"prompt": "r", "needed": 1}])
+    gen = out.generation
+    n = len(out.episodes)
+    rollout = Rollout.from_generation(gen, torch.arange(n) // 2, out.returns, torch.zeros(n, dtype=torch.bool))
+    assert torch.equal(rollout.loss_mask, gen.model_mask) and torch.equal(rollout.attention_mask,
+                                                                         gen.completion_mask)
+    assert rollout.loss_mask.sum(-1).tolist() == [3 + 5, 3 + 5, 3, 3]  # "ab"+EOS, "cde!"+EOS
+    values = torch.arange(gen.completion_ids.numel(), dtype=torch.float32).reshape(gen.completion_ids.shape)
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
+        by_hand = [values[i][gen.model_mask[i].bool()] for i in range(n)]
+        if mode == "token-mean":
+            want = torch.cat(by_hand).mean()
+        elif mode == "seq-mean-token-mean":
+            want = torch.stack([v.mean() for v in by_hand]).mean()
+        else:
+            want = torch.stack([v.sum() for v in by_hand]).mean()
+        assert aggregate(values, rollout.loss_mask, mode) == pytest.approx(float(want))
+        assert aggregate(values, rollout.attention_mask, mode) != pytest.approx(float(want))
+
+
+def test_budgets_truncate_and_never_pass_max_episode_tokens():
+    r = runner(Echo(), max_turns=5, max_episode_tokens=12)
+    out = run(r, Scripted(["abcd", "efgh", "ijkl", "mnop"]), [{"prompt": "p", "needed": 9}], n=1)
+    (ep,) = out.episodes
+    assert ep.truncated and ep.num_tokens <= 12
+    assert out.generation.truncated.tolist() == [True]
+    # a turn without EOS within max_new_tokens ends the episode truncated too
+    out = run(runner(Echo()), Scripted(["abcdefgh"], no_eos=True), [{"prompt": "p"}], n=1, max_new=4)
+    assert out.episodes[0].truncated and out.episodes[0].model_turns == 1
+    # max_turns caps the turns, without truncation
+    out = run(runner(Echo(), max_turns=2), Scripted(["a", "b", "c"]), [{"prompt": "p", "needed": 5}], n=1)
+    assert out.episodes[0].model_turns == 2 and not out.episodes[0].truncated
+
+
+def test_context_check_names_the_keys():
+    with pytest.raises(ValueError, match=r"model.max_prompt_length.*model.max_episode_tokens.*256"):
+        make(environment=Echo(), max_episode_tokens=250, max_prompt_length=16)
+    with pytest.raises(ValueError, match="model.max_episode_tokens` applies to episodes"):
+        make(max_episode_tokens=20)
+
+
+def divide(a: int, b: int) -> str:
+    """Divide.
+
+    Args:
+        a: numerator.
+        b: denominator.
+    """
+    return str(a // b)
+
+
+def test_tool_calls_results_and_errors_are_observations_not_crashes():
+    tools = [Tool.from_function(divide)]
+    script = Scripted(["<tool>divide(7, 2)</tool>", "<tool>divide(1, 0)</tool><tool>nope(</tool>", "3"])
+    out = run(runner(None, tools, max_turns=4, max_episode_tokens=1000), script, [{"prompt": "p"}], n=1,
+              max_new=80)
+    (ep,) = out.episodes
+    assert [t.role for t in ep.turns] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert ep.turns[1].text == "<result>3</result>"
+    assert ep.turns[3].text.startswith("<result>error: divide raised ZeroDivisionError")
+    assert ep.tool_calls == 3 and ep.tool_errors == 2 and ep.final_text == "3"
+    assert out.stats["rollout/tool_calls_mean"] == 3 and out.stats["rollout/tool_errors"] == 2
+    assert out.stats["rollout/turns_mean"] == 3
+
+
+def test_hermes_tool_turn_rendered_once_through_the_template(think_template):
+    tools = [Tool.from_function(divide)]
+    call = '<tool_call>{"name": "divide", "arguments": {"a": 9, "b": 3}}</tool_call>'
+    gen = Scripted([call, "3"])
+    run(runner(None, tools, fmt=HermesFormat(), chat=True), gen, [{"prompt": "q"}], n=1, max_new=80)
+    prompt = ids("U:q\nA:")
+    assert gen.contexts[1] == [prompt + ids(call) + [EOS] + ids("\nT:3\nA:")]
+
+
+class Broken(Environment):
+    def step(self, turn):
+        raise KeyError("board")
+
+
+def test_environment_errors_name_the_environment_and_episode_or_are_counted():
+    with pytest.raises(EpisodeError, match=r"environment `Broken` raised KeyError in step of episode 0 "
+                                           r"\(prompt 'p'\).*model.on_env_error: zero"):
+        run(runner(Broken()), Scripted(["a"]), [{"prompt": "p"}])
+    out = run(runner(Broken(), on_env_error="zero"), Scripted(["a"]), [{"prompt": "p"}])
+    assert out.stats["rollout/env_errors"] == 2 and out.returns.tolist() == [0.0, 0.0]
+
+
+def test_grpo_step_trains_on_episodes_with_observations_out_of_the_loss(tmp_path):
+    """A real GRPO step on episodes: the loss mask equals the model tokens; observation tokens are context
+    (their log-probs never reach the objective), rewards add the environment's return."""
+    module = make(environment=Echo(), max_turns=3, max_new_tokens=8, num_generations=2,
+                  reward_fns=["lightning_rl.rewards:exact_match"])
+    batch = {"prompt": ["50318=", "92741="], "answer": ["01358", "12479"], "needed": [2, 1]}
+    module.trainer = make_trainer(tmp_path)
+    rollout, stats = module.sample(batch, None)
+    assert rollout.model_mask is not None and torch.equal(rollout.loss_mask, rollout.model_mask)
+    observation = rollout.attention_mask.bool() & ~rollout.model_mask.bool()
+    assert observation[:2].any() and not observation[2:].any()  # only 2-turn episodes have observations
+    assert stats["perf/generated_tokens"] == float(rollout.model_mask.sum())
+    assert stats["rollout/turns_mean"] > 1
+    assert (rollout.rewards[:2] >= 1.0).all()  # the environment's step reward is in the reward
