@@ -166,6 +166,9 @@ class LogSamples(RLCallback):
         prompts, completions = list(outputs["prompts"][:k]), list(outputs["completions"][:k])
         columns = {name: list(values[:k]) for name, values in outputs["columns"].items()}
         rewards = pl_module.sample_rewards(prompts, completions, list(outputs["lengths"][:k]), columns)
+        returns = outputs.get("returns")
+        if returns is not None:  # episodes: the environment's rewards too
+            rewards = [r + float(e) for r, e in zip(rewards, returns[:k], strict=True)]
         table = markdown_table(prompts, completions, rewards, list(outputs["correct"][:k]), self.max_chars,
                                columns.get("turns"))
         self.write(trainer, "samples/val", table)

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from lightning_rl.engine import Generation, SamplingParams
 from lightning_rl.pairs import pad_rows
-from lightning_rl.tools import Tool, ToolCall, ToolFormat, ToolResult, execute, load_tools
+from lightning_rl.tools import Tool, ToolCall, ToolFormat, ToolResult, chat_suffix, execute, load_tools
 from lightning_rl.tools import tool_format as make_tool_format
 
 Observation = str | list[dict[str, str]] | None
@@ -187,19 +187,6 @@ def episode_runner(environment: Environment | None, tools: list[str] | None, *, 
                          tool_timeout=tool_timeout, on_env_error=on_env_error)
 
 
-def chat_observation(tokenizer: Any, messages: list[dict[str, str]]) -> str:
-    """The text a chat template puts after an assistant turn's EOS for ``messages`` and the next assistant
-    header: rendered once, by difference from a conversation that ends with that assistant turn."""
-    sentinel = "\u2063lrl-sentinel\u2063"
-    base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": sentinel}]
-    full = tokenizer.apply_chat_template(base + list(messages), tokenize=False, add_generation_prompt=True)
-    marker = sentinel + str(tokenizer.eos_token)
-    if marker not in full:
-        raise ValueError("the chat template does not end assistant turns with the EOS token "
-                         f"({tokenizer.eos_token!r}); observations cannot be appended to sampled turns")
-    return full.split(marker, 1)[1]
-
-
 class EpisodeRunner:
     """Runs G episodes per prompt row with a generate function (the rollout engine) and returns them.
 
@@ -256,7 +243,7 @@ class EpisodeRunner:
             if not self.any_active(len(active), collectives, device):
                 break
             turn_seed = None if seed is None else (seed + 7919 * turn) % 2**31
-            step = self.turn_sampling(sampling, active)
+            step, rows = self.turn_sampling(sampling, active), []
             if turn == 0:  # every episode, one prompt row per group when they share it
                 gen = generate(first_ids, first_mask, num_samples=n, sampling=step, seed=turn_seed)
                 rows = [ep.index for ep in active]
@@ -349,7 +336,7 @@ class EpisodeRunner:
         if self.chat:
             messages = [{"role": "user", "content": observation}] if isinstance(observation, str) \
                 else list(observation)
-            return chat_observation(self.tokenizer, messages)
+            return chat_suffix(self.tokenizer, messages)
         if isinstance(observation, str):
             return observation
         return "".join(str(m.get("content", "")) for m in observation)

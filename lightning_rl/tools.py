@@ -303,27 +303,33 @@ class HermesFormat(ToolFormat):
         return self.BLOCK.search(text) is not None
 
     def render_results(self, results: list[ToolResult], tokenizer: Any) -> str:
-        """The chat template's text between the assistant turn's EOS and the next generation prompt's end.
+        """The results as ``tool`` messages, rendered by the chat template once (:func:`chat_suffix`)."""
+        return chat_suffix(tokenizer, [
+            {"role": "tool", "name": r.name, "content": f"{'error: ' if r.error else ''}{r.content}"}
+            for r in results])
 
-        Renders ``[user, assistant SENTINEL, tool...]`` with the generation prompt and keeps what follows
-        ``SENTINEL + eos_token`` (for Qwen: the newline after ``<|im_end|>``, the tool turn, and
-        ``<|im_start|>assistant\\n``). Nothing is cached: each call renders with the tokenizer it is given.
 
-        Raises:
-            ValueError: the chat template does not end assistant turns with the EOS token.
-        """
-        messages = [{"role": "user", "content": "u"}, {"role": "assistant", "content": SENTINEL}]
-        messages += [{"role": "tool", "name": r.name, "content": f"{'error: ' if r.error else ''}{r.content}"}
-                     for r in results]
-        full = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        end = f"{SENTINEL}{tokenizer.eos_token}"
-        at = full.find(end) if tokenizer.eos_token else -1
-        if at < 0:
-            raise ValueError(
-                f"the chat template does not end assistant turns with the EOS token `{tokenizer.eos_token}`, "
-                "so tool results cannot be appended after the model's turn (`model.tool_format`)"
-            )
-        return full[at + len(end):]
+def chat_suffix(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
+    """The chat template's text between an assistant turn's EOS and the next generation prompt's end, for
+    ``messages`` appended after that turn (tool results, an environment's user turn).
+
+    Renders ``[user, assistant SENTINEL, *messages]`` with the generation prompt and keeps what follows
+    ``SENTINEL + eos_token`` (for Qwen: the newline after ``<|im_end|>``, the new turns, and
+    ``<|im_start|>assistant\n``). Nothing is cached: each call renders with the tokenizer it is given.
+
+    Raises:
+        ValueError: the chat template does not end assistant turns with the EOS token.
+    """
+    base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": SENTINEL}]
+    full = tokenizer.apply_chat_template(base + list(messages), tokenize=False, add_generation_prompt=True)
+    end = f"{SENTINEL}{tokenizer.eos_token}"
+    at = full.find(end) if tokenizer.eos_token else -1
+    if at < 0:
+        raise ValueError(
+            f"the chat template does not end assistant turns with the EOS token `{tokenizer.eos_token}`, "
+            "so tool results and observations cannot be appended after the model's turn (`model.tool_format`)"
+        )
+    return full[at + len(end):]
 
 
 def detect_format(tokenizer: Any, chat_template: bool) -> ToolFormat:

@@ -40,7 +40,8 @@ class Scripted:
         self.turns, self.no_eos, self.contexts, self.calls = turns, no_eos, [], 0
 
     def __call__(self, prompt_ids, prompt_mask, *, num_samples, sampling, seed):
-        ids_, mask = prompt_ids.repeat_interleave(num_samples, 0), prompt_mask.repeat_interleave(num_samples, 0)
+        ids_ = prompt_ids.repeat_interleave(num_samples, 0)
+        mask = prompt_mask.repeat_interleave(num_samples, 0)
         self.contexts.append([row[m.bool()].tolist() for row, m in zip(ids_, mask, strict=True)])
         text = self.turns[min(self.calls, len(self.turns) - 1)]
         self.calls += 1
@@ -51,8 +52,8 @@ class Scripted:
 
 
 def encode(prompts):
-    texts = [TOK.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-             if TOK.chat_template else p for p in prompts]
+    texts = [TOK.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                     add_generation_prompt=True) if TOK.chat_template else p for p in prompts]
     from lightning_rl.pairs import pad_rows
 
     return pad_rows([ids(t) for t in texts], PAD, left=True)
@@ -108,11 +109,14 @@ def test_token_in_token_out_under_a_template_that_rewrites_history(think_templat
 
 def test_masks_every_aggregation_counts_model_tokens_only():
     """The rollout's loss mask is the sampled tokens; each aggregation of per-token values equals the one
-    over the model tokens alone and differs from the one that also counts the observation tokens."""
-    out = run(runner(Echo()), Scripted(["ab", "cde!"]), [{"prompt": "p", "needed": 2}, {"prompt": "r", "needed": 1}])
+    over the model tokens alone and differs from the one that also counts the observation tokens. (Broken
+    variant that fails this: `Rollout.from_generation` taking `completion_mask` as the loss mask.)"""
+    rows = [{"prompt": "p", "needed": 2}, {"prompt": "r", "needed": 1}]
+    out = run(runner(Echo()), Scripted(["ab", "cde!"]), rows)
     gen = out.generation
     n = len(out.episodes)
-    rollout = Rollout.from_generation(gen, torch.arange(n) // 2, out.returns, torch.zeros(n, dtype=torch.bool))
+    correct = torch.zeros(n, dtype=torch.bool)
+    rollout = Rollout.from_generation(gen, torch.arange(n) // 2, out.returns, correct)
     assert torch.equal(rollout.loss_mask, gen.model_mask) and torch.equal(rollout.attention_mask,
                                                                          gen.completion_mask)
     assert rollout.loss_mask.sum(-1).tolist() == [3 + 5, 3 + 5, 3, 3]  # "ab"+EOS, "cde!"+EOS
@@ -210,3 +214,24 @@ def test_grpo_step_trains_on_episodes_with_observations_out_of_the_loss(tmp_path
     assert stats["perf/generated_tokens"] == float(rollout.model_mask.sum())
     assert stats["rollout/turns_mean"] > 1
     assert (rollout.rewards[:2] >= 1.0).all()  # the environment's step reward is in the reward
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_ranks_with_uneven_turn_counts_make_the_same_collectives(tmp_path, strategy):
+    """Rank 0's episodes take 1 model turn, rank 1's take 3: two GRPO steps and greedy validation on uneven
+    held-out rows finish on both strategies (a rank that skipped a turn's all-reduce, or under FSDP2 a
+    turn's generation, would hang and be killed). Broken variant that hangs: `any_active` without the
+    all-reduce (each rank stopping when its own episodes are done)."""
+    from pathlib import Path
+
+    from helpers import launch
+
+    here = Path(__file__).parent
+    launch(here / "episodes_fit.py", str(tmp_path), strategy, cwd=here.parent, timeout=240)
+    result = torch.load(tmp_path / "result.pt")
+    assert result["global_step"] == 2
+    rank0, rank1 = result["turns"]
+    assert {t for step in rank0 for t in step} == {1}
+    assert max(t for step in rank1 for t in step) == 3
+    metrics = result["metrics"]
+    assert {"rollout/turns_mean", "rollout/env_time", "val/accuracy", "policy/loss"} <= set(metrics)

@@ -432,6 +432,19 @@ def test_gae_three_step_example():
     close(ret, [[0.71712, 0.846, 1.0, 0.0], [2.0, 0.0, 0.0, 0.0]])
 
 
+def test_gae_skips_holes_in_the_mask_like_an_episode_observation():
+    # the three-step example with two observation tokens (mask 0, garbage values) between its tokens 1 and 2:
+    # the same advantages on the valid tokens as the contiguous row, 0 on the holes; the score sits on the
+    # last valid token (token_rewards finds it past the holes)
+    values = t([[0.5, 0.6, 9.0, 9.0, 0.7, 0.0]])
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0]])
+    rewards = L.token_rewards(torch.tensor([1.0]), mask)
+    close(rewards, [[0.0, 0.0, 0.0, 0.0, 1.0, 0.0]])
+    adv, ret = L.gae_advantages(rewards, values, mask, gamma=0.9, lam=0.8)
+    close(adv, [[0.21712, 0.246, 0.0, 0.0, 0.3, 0.0]])
+    close(ret, [[0.71712, 0.846, 0.0, 0.0, 1.0, 0.0]])
+
+
 def test_gae_defaults_gamma_one():
     # gamma=1, lam=0.95, rewards (0, 1), values (0, 0): t=1: A = 1 ; t=0: A = 0 + 0.95*1 = 0.95
     adv, _ = L.gae_advantages(t([[0.0, 1.0]]), t([[0.0, 0.0]]), torch.ones(1, 2))

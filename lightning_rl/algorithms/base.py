@@ -48,6 +48,12 @@ class Completions:
     texts: list[str]
     lengths: list[int]
     turns: list[list[dict[str, str]]] | None = None
+    returns: list[float] | None = None  # each episode's environment rewards (step + final)
+
+    def with_returns(self, rewards: Sequence[float]) -> list[float]:
+        """``rewards`` (the reward functions') plus the environment's returns, for episodes."""
+        extra = self.returns or [0.0] * len(rewards)
+        return [float(r) + e for r, e in zip(rewards, extra, strict=True)]
 
 
 class PolicyModule(L.LightningModule):
@@ -333,17 +339,16 @@ class PolicyModule(L.LightningModule):
         scores = self.correct(batch["prompt"], completions, columns)
         acc = torch.tensor([float(s) for s in scores], device=self.device)
         self.log_val_mean("val/accuracy", acc.mean(), weight)
-        self.validation_extra(batch, completions, lengths, weight)
+        self.validation_extra(batch, done, columns, weight)
         return {"prompts": batch["prompt"], "completions": completions, "lengths": lengths, "correct": scores,
-                "columns": columns}
+                "columns": columns, "returns": done.returns}
 
     def correct(self, prompts: Sequence[Any], completions: list[str], columns: dict[str, list]) -> list[Any]:
         """Per-completion correctness, whose mean is ``val/accuracy``: ``accuracy_fn`` here."""
         return self.accuracy_fn(prompts=prompts, completions=completions, **columns)
 
-    def validation_extra(
-        self, batch: dict[str, list], completions: list[str], lengths: list[int], weight: float
-    ) -> None:
+    def validation_extra(self, batch: dict[str, list], done: Completions, columns: dict[str, list],
+                         weight: float) -> None:
         """Hook for subclasses to log more validation metrics from the same greedy completions."""
 
     def sample_rewards(
@@ -385,7 +390,7 @@ class PolicyModule(L.LightningModule):
         columns = {k: [v for v in values for _ in range(n)] for k, values in data.items()}
         if done.turns is not None:
             columns["turns"] = done.turns
-        rewards = self.sample_rewards(prompts, completions, lengths, columns)
+        rewards = done.with_returns(self.sample_rewards(prompts, completions, lengths, columns))
         correct = self.correct(prompts, completions, columns)
         weights = batch.get(VAL_WEIGHT_KEY) or [1.0] * len(batch["prompt"])
         index = batch.get(ROW_INDEX_KEY) or [None] * len(batch["prompt"])  # None: not from our DataModules

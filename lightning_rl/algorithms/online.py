@@ -252,7 +252,7 @@ class OnlineRL(ManualSteps, PolicyModule):
         if self.episodes is None:
             return super().complete(batch, num_samples=num_samples, sampling=sampling, seed=seed)
         done = self.run_episodes(batch, num_samples, sampling, seed, Collectives(self._trainer))
-        return Completions(done.texts, done.generation.lengths.tolist(), done.turns)
+        return Completions(done.texts, done.generation.lengths.tolist(), done.turns, done.returns.tolist())
 
     def refill(self) -> tuple[Rollout, dict[str, float]]:
         """A fresh prompt batch from the DataModule's refill stream, sampled and scored (for filters)."""
@@ -299,10 +299,10 @@ class OnlineRL(ManualSteps, PolicyModule):
         """Per-completion correctness by ``correctness_fn``: rollouts and ``val/accuracy`` alike."""
         return self.correctness_fn(prompts=prompts, completions=completions, **columns)
 
-    def validation_extra(self, batch: dict[str, list], completions: list[str], lengths: list[int],
+    def validation_extra(self, batch: dict[str, list], done: Completions, columns: dict[str, list],
                          weight: float) -> None:
-        rewards, _ = self.reward_pipeline.score(batch["prompt"], completions, lengths, batch_columns(batch))
-        self.log_val_mean("val/reward_mean", rewards.mean(), weight)
+        rewards, _ = self.reward_pipeline.score(batch["prompt"], done.texts, done.lengths, columns)
+        self.log_val_mean("val/reward_mean", torch.tensor(done.with_returns(rewards.tolist())).mean(), weight)
 
 
 def check_keys(num_generations: int, advantage: AdvantageEstimator, entropy_coef: float, temperature: float,
