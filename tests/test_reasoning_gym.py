@@ -15,9 +15,7 @@ import pytest
 import torch
 from helpers import make, make_trainer
 
-pytest.importorskip("reasoning_gym")
-
-from lightning_rl.data.reasoning_gym import (  # noqa: E402
+from lightning_rl.data.reasoning_gym import (
     ReasoningGymDataModule,
     ReasoningGymEnvironment,
     reasoning_gym_correct,
