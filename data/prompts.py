@@ -13,12 +13,13 @@ import csv
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_rl.data.calc_task import MultiplyTask, tool_trace_rows
 from lightning_rl.data.sort_task import SortTask
 from lightning_rl.data.validation import ValidationShard
 from lightning_rl.keys import ROW_INDEX_KEY  # defined in the core; still importable from here
@@ -319,11 +320,11 @@ class RowsDataModule(L.LightningDataModule):
 
 
 class PromptDataModule(RowsDataModule):
-    """Prompts for RL and SFT: the built-in sort task by default, or your own data.
+    """Prompts for RL and SFT: a built-in task (the sort task by default), or your own data.
 
     Args:
         path: a JSONL / JSON / CSV / Parquet file, a ``save_to_disk`` folder or a hub dataset name;
-            ``None`` uses the built-in sort task.
+            ``None`` uses the built-in task ``task``.
         val_path: held-out data in the same forms; ``None`` takes ``val_split`` of ``path`` if it
             exists, else the built-in task's held-out set (built-in only), else no validation.
         predict_path: prompts for ``lightning-rl predict``, in the same forms and columns (a single file
@@ -337,6 +338,13 @@ class PromptDataModule(RowsDataModule):
         val_batch_size: prompts per validation (and predict) batch.
         max_val_rows: evaluate on at most this many held-out rows (``None``: all).
         sort_digits: digits per prompt of the built-in sort task.
+        task: the built-in task when ``path`` is ``None``: ``sort`` (``lightning_rl.data.sort_task``),
+            ``multiply`` (``A*B=`` with factors in [10, 999], for episodes with the ``calculator`` tool:
+            ``lightning_rl.data.calc_task``) or ``multiply_tool_traces``, the SFT rows of solved calculator
+            episodes (two per problem: the call, then the answer copied from the tool's result). Its
+            held-out rows are the trace rows of the held-out problems too (call row, then copy row, so
+            ``max_val_rows`` keeps whole pairs): ``val/accuracy`` is the fraction of turns reproduced
+            exactly, as a plain ``multiply`` prompt would score the tool call, never the answer.
         seed: seed of the training order.
         shuffle: shuffle the training rows each epoch.
     """
@@ -357,10 +365,12 @@ class PromptDataModule(RowsDataModule):
         seed: int = 0,
         shuffle: bool = True,
         predict_path: str | None = None,
+        task: Literal["sort", "multiply", "multiply_tool_traces"] = "sort",
     ) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"`data.batch_size` must be >= 1, got {batch_size}")
+        self.task_name = check_task(task, path, sort_digits)
         self.path, self.val_path, self.split, self.val_split, self.name = (
             path, val_path, split, val_split, name
         )
@@ -368,7 +378,11 @@ class PromptDataModule(RowsDataModule):
         self.batch_size, self.val_batch_size, self.max_val_rows = batch_size, val_batch_size, max_val_rows
         self.seed, self.shuffle = seed, shuffle
         self.predict_path = predict_path
-        self.task = SortTask(num_digits=sort_digits, seed=seed) if path is None else None
+        self.task: SortTask | MultiplyTask | None = None  # the built-in task, without `path`
+        if path is None and task == "sort":
+            self.task = SortTask(num_digits=sort_digits, seed=seed)
+        elif path is None:
+            self.task = MultiplyTask(seed=seed)
         self.refills_consumed = 0  # batches drawn by dynamic sampling, from a separately seeded stream
         self._refill: Iterator[dict[str, list]] | None = None
 
@@ -386,6 +400,9 @@ class PromptDataModule(RowsDataModule):
         if self.task is not None:
             self.train_rows = [self.task.train_row(i) for i in range(self.task.num_train)]
             self.val_rows = self.task.val_rows()
+            if self.task_name == "multiply_tool_traces":
+                self.train_rows = [t for row in self.train_rows for t in tool_trace_rows(row)]
+                self.val_rows = [t for row in self.val_rows for t in tool_trace_rows(row)]
         else:
             self.train_rows = load_rows(self.path, self.split, self.name)
             check_rows(self.train_rows, columns, f"`data.path`={self.path} (split {self.split})",
@@ -445,3 +462,23 @@ class PromptDataModule(RowsDataModule):
         else:
             self.refills_consumed = int(state_dict.get("refills_consumed", 0))
         self._refill = None
+
+
+TASKS = ("sort", "multiply", "multiply_tool_traces")
+
+
+def check_task(task: str, path: str | None, sort_digits: int) -> str:
+    """``task`` once it is a built-in task that applies: one of :data:`TASKS`, not combined with ``path``
+    (your own data), and ``sort_digits`` left at its default unless the task is ``sort``.
+
+    Raises:
+        ValueError: naming ``data.task``.
+    """
+    if task not in TASKS:
+        raise ValueError(f"`data.task` must be one of {TASKS}, got {task!r}")
+    if task != "sort" and path is not None:
+        raise ValueError(f"`data.task`={task!r} is a built-in task, used only without `data.path`; "
+                         f"got `data.path`={path!r}: remove one of them")
+    if task != "sort" and sort_digits != 5:
+        raise ValueError(f"`data.sort_digits` applies only to `data.task: sort`, not `data.task`={task!r}")
+    return task

@@ -2,8 +2,9 @@
 
 The embedded default is a 2-layer Llama over a character tokenizer made with the ``tokenizers``
 library; its warm-started weights (``configs/sft.yaml``) ship as package data in
-``lightning_rl/data/tiny_sort``, so every config runs with no network. Any other ``model`` value is a
-hub id or a local folder passed to ``from_pretrained``.
+``lightning_rl/data/tiny_sort``, so every config runs with no network. ``builtin:tiny-tools`` is the same
+model briefly warm-started on calculator tool traces (``configs/sft_tools.yaml``), in ``data/tiny_tools``.
+Any other ``model`` value is a hub id or a local folder passed to ``from_pretrained``.
 
 :func:`load_pretrained` is the one loader of ``builtin:`` names, local folders and hub ids, used for the
 policy, the critic and the reward model. A value that is plainly a path (see :func:`looks_local`) is never
@@ -37,7 +38,10 @@ T = TypeVar("T")
 # The package data folder of `lightning_rl.data`, located without importing that package (the core does
 # not depend on the data package; find_spec only imports the parent, `lightning_rl`).
 EMBEDDED_MODEL = str(Path(find_spec("lightning_rl.data").origin).parent / "tiny_sort")
-BUILTIN_MODELS = ("builtin:tiny-sort", "builtin:tiny-scratch")
+TOOLS_MODEL = str(Path(EMBEDDED_MODEL).parent / "tiny_tools")  # warm-started on calculator tool traces
+# the built-in names that are shipped folders; `builtin:tiny-scratch` is built from a config
+BUILTIN_FOLDERS = {"builtin:tiny-sort": EMBEDDED_MODEL, "builtin:tiny-tools": TOOLS_MODEL}
+BUILTIN_MODELS = ("builtin:tiny-sort", "builtin:tiny-tools", "builtin:tiny-scratch")
 # `dtype` values of the YAML (`model.dtype`, ...) and what `from_pretrained(dtype=...)` receives
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 LOCAL_HINT = "a local save_pretrained folder (e.g. `./my-model`)"
@@ -141,15 +145,16 @@ def hub_error(value: str, key: str, reason: str, local_hint: str) -> str:
 
 
 def resolve_builtin(name_or_path: str, key: str, builtins: Sequence[str] = BUILTIN_MODELS) -> str:
-    """The folder of ``builtin:tiny-sort`` (:data:`EMBEDDED_MODEL`), or ``name_or_path`` unchanged when it is
-    not a ``builtin:`` name. The caller builds any other built-in it accepts (``builtin:tiny-scratch``, from
-    a config) before calling; ``builtins`` lists them all for the error message.
+    """The folder of a shipped built-in model that ``builtins`` accepts (:data:`BUILTIN_FOLDERS`:
+    ``builtin:tiny-sort``, ``builtin:tiny-tools``), or ``name_or_path`` unchanged when it is not a
+    ``builtin:`` name. The caller builds any other built-in it accepts (``builtin:tiny-scratch``, from a
+    config) before calling; ``builtins`` lists them all for the error message.
 
     Raises:
         ValueError: any other ``builtin:`` name, naming ``key``.
     """
-    if name_or_path == "builtin:tiny-sort":
-        return EMBEDDED_MODEL
+    if name_or_path in BUILTIN_FOLDERS and name_or_path in builtins:
+        return BUILTIN_FOLDERS[name_or_path]
     if name_or_path.startswith("builtin:"):
         raise ValueError(f"`{key}`: unknown built-in model `{name_or_path}`; choose from {tuple(builtins)}")
     return name_or_path
@@ -224,8 +229,9 @@ def load_policy(
 ) -> Policy:
     """Load the policy named by ``model`` (the config key ``key``, for messages).
 
-    ``builtin:tiny-sort`` is the embedded model warm-started on the sort task; ``builtin:tiny-scratch``
-    is the same architecture freshly initialised; anything else is a local folder or a hub id, loaded by
+    ``builtin:tiny-sort`` is the embedded model warm-started on the sort task, ``builtin:tiny-tools`` the
+    same model warm-started on calculator tool traces; ``builtin:tiny-scratch`` is the same architecture
+    freshly initialised; anything else is a local folder or a hub id, loaded by
     :func:`load_pretrained` (which fails at once on a missing folder or an unreachable hub).
     """
     from lightning_rl.policy import Policy  # here: policy.py may import this module
