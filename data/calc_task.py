@@ -8,7 +8,8 @@ episode runner, one solved episode is (``<eos>`` is the EOS token)::
     prompt  model turn 1                     EOS  environment tokens      turn 2 EOS
 
 :func:`tool_trace_rows` cuts such a trace into the two SFT rows that teach it (``data.task:
-multiply_tool_traces``, the warm start of ``builtin:tiny-tools``), and :func:`calculator` is the tool.
+multiply_tool_traces``, the warm start of ``builtin:tiny-tools``); the tool is
+``lightning_rl.tools.calculator``.
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from lightning_rl.models import EOS
+from lightning_rl.tools import calculator
 
 LOW, HIGH = 10, 999  # each factor is uniform in [LOW, HIGH]: 2 or 3 digits
 TOOL_NAME = "calculator"
 _PROMPT = re.compile(r"^(\d+)\*(\d+)=$")
-_EXPRESSION = re.compile(r"^\s*\d+(\s*\*\s*\d+)*\s*$")
-MAX_DIGITS = 40  # of any factor of a calculator expression: bounds the work one call can ask for
 
 
 @dataclass(frozen=True)
@@ -107,23 +107,3 @@ def tool_trace_rows(row: dict[str, str]) -> list[dict[str, str]]:
     answer = str(row["answer"])
     second = f"{row['prompt']}{call}{EOS}<result>{calculator(f'{found[1]}*{found[2]}')}</result>"
     return [{"prompt": row["prompt"], "answer": call}, {"prompt": second, "answer": answer}]
-
-
-def calculator(expression: str) -> str:
-    """Multiply non-negative integers: ``calculator("37*482")`` is ``"17834"``.
-
-    Only digits, ``*`` and spaces are accepted (nothing is evaluated as Python), at most
-    :data:`MAX_DIGITS` digits per factor.
-
-    Raises:
-        ValueError: any other expression (the episode runner reports it as ``<result>error: ...</result>``).
-    """
-    if not isinstance(expression, str) or not _EXPRESSION.match(expression):
-        raise ValueError(f"calculator only multiplies whole numbers, like '37*482'; got {expression!r}")
-    factors = [f.strip() for f in expression.split("*")]
-    if any(len(f) > MAX_DIGITS for f in factors):
-        raise ValueError(f"calculator factors have at most {MAX_DIGITS} digits")
-    product = 1
-    for factor in factors:
-        product *= int(factor)
-    return str(product)

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from lightning_rl.data import MultiplyTask, PromptDataModule
-from lightning_rl.data.calc_task import calculator, tool_call, tool_trace_rows
+from lightning_rl.data.calc_task import tool_call, tool_trace_rows
 from lightning_rl.models import (
     BUILTIN_MODELS,
     TOOLS_MODEL,
@@ -75,13 +75,6 @@ def test_trace_rows_are_the_episode_token_sequence():
     assert tok(second["prompt"])["input_ids"] == ids(second["prompt"])
     with pytest.raises(ValueError, match="not a multiplication prompt"):
         tool_trace_rows({"prompt": "50318=", "answer": "01358"})
-
-
-def test_calculator_multiplies_and_refuses_anything_else():
-    assert calculator("37*482") == "17834" and calculator(" 12 * 3*2 ") == "72" and calculator("7") == "7"
-    for bad in ("37+482", "__import__('os')", "2**10", "", "1e3*2", "9" * 41 + "*2"):
-        with pytest.raises(ValueError):
-            calculator(bad)
 
 
 def test_prompt_data_module_tasks():

@@ -235,3 +235,37 @@ def test_ranks_with_uneven_turn_counts_make_the_same_collectives(tmp_path, strat
     assert max(t for step in rank1 for t in step) == 3
     metrics = result["metrics"]
     assert {"rollout/turns_mean", "rollout/env_time", "val/accuracy", "policy/loss"} <= set(metrics)
+
+
+def test_tool_config_trains_predicts_and_shows_turns_through_the_cli(tmp_path):
+    """configs/grpo_tools.yaml through the real CLI: two steps whose sample tables show each turn (model text
+    and tool results apart), then `predict` writes every turn of every episode to the JSONL."""
+    import json
+
+    from helpers import CONFIGS, run_cli
+    from test_samples import texts
+
+    quiet = ["--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path)]
+    run_cli("fit", "--config", CONFIGS / "grpo_tools.yaml", "--trainer.max_steps", "2",
+            "--trainer.val_check_interval", "2", "--data.init_args.max_val_rows", "16",
+            "--trainer.num_sanity_val_steps", "0", *quiet)
+    tables = texts(tmp_path)
+    train, val = tables["samples/train"][-1][1], tables["samples/val"][-1][1]
+    for table in (train, val):
+        assert "**tool:**" in table or "**observation:**" in table
+        assert "&lt;result&gt;" in table  # the tool's answer, escaped, on its own line
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{a}*{b}=", "answer": str(a * b)}) + "\n"
+                            for a, b in [(37, 482), (12, 345), (999, 10)]))
+    out = tmp_path / "pred.jsonl"
+    run_cli("predict", "--config", CONFIGS / "grpo_tools.yaml", "--data.init_args.predict_path", str(rows),
+            "--predictions.output", str(out), *quiet)
+    predictions = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(predictions) == 3
+    for p in predictions:
+        roles = [t["role"] for t in p["turns"]]
+        assert roles[0] == "assistant" and set(roles) <= {"assistant", "tool"}
+        assert p["completion"] == [t["content"] for t in p["turns"] if t["role"] == "assistant"][-1]
+        if "tool" in roles:
+            assert p["turns"][roles.index("tool")]["content"].startswith("<result>")
+        assert p["correct"] == (p["completion"].strip() == p["answer"])  # exact_match of the final turn

@@ -35,8 +35,9 @@ def test_wheel_contains_every_module_under_lightning_rl(tmp_path):
         for src in (ROOT / folder).rglob("*.py"):
             rel = src.relative_to(ROOT / folder).as_posix()
             assert f"{package}/{rel}" in names, f"{folder}/{rel} missing from the wheel"
-    for shipped in (ROOT / "data" / "tiny_sort").glob("*"):
-        assert f"lightning_rl/data/tiny_sort/{shipped.name}" in names
+    for folder in ("tiny_sort", "tiny_tools"):  # the embedded models
+        for shipped in (ROOT / "data" / folder).glob("*"):
+            assert f"lightning_rl/data/{folder}/{shipped.name}" in names
     assert "lightning_rl/data/tiny_sort/config.json" in names
     top = {n.split("/")[0] for n in names}
     assert "callbacks" not in top and "data" not in top, f"top-level packages leaked: {top}"
