@@ -6,10 +6,14 @@ and records the exact context it was given), so every id is known; the module te
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from helpers import make, make_trainer
 
+from lightning_rl.algorithms import GRPO
+from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.engine import SamplingParams, make_generation
 from lightning_rl.environments import Environment, EpisodeError, EpisodeRunner, StepResult
 from lightning_rl.losses import aggregate
@@ -269,3 +273,49 @@ def test_tool_config_trains_predicts_and_shows_turns_through_the_cli(tmp_path):
         if "tool" in roles:
             assert p["turns"][roles.index("tool")]["content"].startswith("<result>")
         assert p["correct"] == (p["completion"].strip() == p["answer"])  # exact_match of the final turn
+
+
+class Parity(Echo):
+    """Correct when the turn's digits sum to an even number: groups with mixed outcomes for DAPO's filter."""
+
+    def step(self, turn):
+        even = sum(int(c) for c in turn if c.isdigit()) % 2 == 0
+        return replace(super().step(turn), info={"correct": even})
+
+
+class Capture(RLCallback):
+    def __init__(self) -> None:
+        self.rollouts: list[Rollout] = []
+
+    def on_rollout_end(self, trainer, pl_module, rollout):
+        self.rollouts.append(rollout)
+
+
+LORA = {"class_path": "peft.LoraConfig", "init_args": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}}
+
+
+@pytest.mark.parametrize("kind", ["dapo", "ppo", "lora"])
+def test_algorithms_train_on_episodes(tmp_path, kind):
+    """DAPO (dynamic sampling, overlong shaping over the episode budget), PPO (a critic: values, returns and
+    advantages on model tokens only, 0 on observations) and LoRA each run a step on episodes and move
+    what they train."""
+    from helpers import datamodule
+
+    from lightning_rl.algorithms import DAPO, PPO
+
+    cls, extra = {"dapo": (DAPO, {"max_gen_batches": 2}), "ppo": (PPO, {"num_generations": 1}),
+                  "lora": (GRPO, {"peft": LORA})}[kind]
+    env = Parity() if kind == "dapo" else Echo()
+    module = make(cls, environment=env, max_turns=2, max_new_tokens=8, **({"num_generations": 2} | extra))
+    trained = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+    capture = Capture()
+    make_trainer(tmp_path, callbacks=[capture]).fit(module, datamodule(batch_size=2))
+    moved = [n for n, p in module.named_parameters() if p.requires_grad and not torch.equal(p, trained[n])]
+    assert moved and (kind != "lora" or all("lora" in n for n in moved))
+    rollout = capture.rollouts[-1]
+    observation = (rollout.attention_mask.bool() & ~rollout.model_mask.bool())
+    assert observation.any()
+    if kind == "ppo":
+        assert rollout.advantages.dim() == 2
+        assert (rollout.advantages[observation] == 0).all() and (rollout.returns[observation] == 0).all()
+        assert (rollout.advantages[rollout.loss_mask.bool()] != 0).any()
