@@ -319,3 +319,23 @@ def test_algorithms_train_on_episodes(tmp_path, kind):
         assert rollout.advantages.dim() == 2
         assert (rollout.advantages[observation] == 0).all() and (rollout.returns[observation] == 0).all()
         assert (rollout.advantages[rollout.loss_mask.bool()] != 0).any()
+
+
+def test_engine_log_probs_land_on_the_sampled_tokens_of_every_turn(tmp_path):
+    """With an engine that returns log-probs (an fp32 CopyEngine: the same numbers as the trainer), each
+    turn's log-probs sit on that turn's tokens: they equal the trainer's scoring of the whole episode on the
+    model tokens, and are 0 on observation tokens (a shifted placement would not match)."""
+    from helpers import logprobs
+
+    from lightning_rl.engine import CopyEngine
+
+    module = make(engine=CopyEngine("float32"), environment=Echo(), max_turns=3, max_new_tokens=8,
+                  num_generations=2)
+    module.trainer = make_trainer(tmp_path)
+    batch = {"prompt": ["50318=", "92741="], "answer": ["01358", "12479"], "needed": [3, 2]}
+    rollout, _ = module.sample(batch, None)
+    model = rollout.model_mask.bool()
+    assert (rollout.attention_mask.bool() & ~model).any()
+    scored = logprobs(module, rollout)
+    torch.testing.assert_close(rollout.rollout_logp[model], scored[model], atol=1e-4, rtol=1e-4)
+    assert (rollout.rollout_logp[~model] == 0).all()
