@@ -9,12 +9,14 @@ if __name__ != "lightning_rl.callbacks":
 
 from lightning_rl.callbacks.base import RLCallback  # noqa: E402
 from lightning_rl.callbacks.export import ExportPolicy  # noqa: E402
+from lightning_rl.callbacks.geometry import BatchGeometry  # noqa: E402
 from lightning_rl.callbacks.interrupt import CheckpointOnInterrupt  # noqa: E402
 from lightning_rl.callbacks.predictions import WritePredictions  # noqa: E402
 from lightning_rl.callbacks.samples import LogSamples  # noqa: E402
 from lightning_rl.callbacks.steps import LogAtOptimizerStep, StepProgressBar  # noqa: E402
 
 __all__ = [
+    "BatchGeometry",
     "CheckpointOnInterrupt",
     "ExportPolicy",
     "LogAtOptimizerStep",

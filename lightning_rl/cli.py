@@ -18,11 +18,9 @@ is the default logger. ``--ckpt_path last`` resumes the newest checkpoint of the
 
 from __future__ import annotations
 
-import glob
 import importlib.util
 import os
 import sys
-import zipfile
 from typing import Any
 
 import lightning as L
@@ -33,6 +31,7 @@ from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_rl.algorithms.base import PolicyModule
+from lightning_rl.resume import checkpoint_file_problem, newest_checkpoint
 
 DEFAULT_LOGGER = {
     "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
@@ -189,7 +188,9 @@ def check_peft_installed(args: Any) -> None:
 
 
 def check_checkpoint_file(path: str | None) -> None:
-    """Fail with one line naming ``path`` unless it can be a checkpoint (``torch.save`` writes zip archives).
+    """Fail with one line naming ``path`` and what it holds unless it can be a Lightning checkpoint: an
+    empty file, one that is not a zip, a zip not written by torch, a plain state dict, a pickle refused by
+    ``weights_only`` (:func:`lightning_rl.resume.checkpoint_file_problem`, which only peeks).
 
     Keywords (``last``...), URLs and folders (sharded checkpoints) are left to Lightning.
     """
@@ -197,11 +198,9 @@ def check_checkpoint_file(path: str | None) -> None:
         return
     if not os.path.exists(path):
         raise ConfigError(f"checkpoint {path} not found")
-    if os.path.getsize(path) == 0:
-        raise ConfigError(f"{path} is not a valid checkpoint: the file is empty")
-    if not zipfile.is_zipfile(path):
-        raise ConfigError(f"{path} is not a valid checkpoint: not an archive written by torch.save "
-                          "(truncated or corrupt?)")
+    problem = checkpoint_file_problem(path)
+    if problem is not None:
+        raise ConfigError(f"`--ckpt_path` {path} is not a valid checkpoint: {problem}")
 
 
 def checkpoint_folders(trainer: L.Trainer) -> list[str]:
@@ -218,12 +217,13 @@ def checkpoint_folders(trainer: L.Trainer) -> list[str]:
 
 
 def find_last_checkpoint(trainer: L.Trainer) -> str:
-    """The newest ``*.ckpt`` (by modification time) in :func:`checkpoint_folders`."""
+    """The newest ``*.ckpt`` (by modification time) in :func:`checkpoint_folders`: a file, or a folder
+    holding a sharded checkpoint (FSDP2's distributed checkpoint, DeepSpeed's)."""
     folders = checkpoint_folders(trainer)
-    found = [p for folder in folders for p in glob.glob(os.path.join(folder, "*.ckpt")) if os.path.isfile(p)]
-    if not found:
+    found = newest_checkpoint(folders)
+    if found is None:
         raise ConfigError(f"`--ckpt_path last`: no checkpoint to resume in {' or '.join(folders)}")
-    return max(found, key=os.path.getmtime)
+    return found
 
 
 def main(args: list[str] | None = None) -> None:

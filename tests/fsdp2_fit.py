@@ -19,9 +19,10 @@ MODE:
             same export with ``export_merged`` writes ``OUT_DIR/merged``. Each rank also records its adapter
             weights when they are not sharded (DDP).
     resume  GRPO for STEPS steps with a sharded checkpoint (``save_distributed_checkpoint``) every 2 steps
-            under ``OUT_DIR/ckpt``; RESUME_CKPT resumes from one. Each rank's RNG is seeded differently
-            at the start of ``fit`` and recorded per step, so a resume that restores rank 0's RNG on every
-            rank shows.
+            under ``OUT_DIR/ckpt``; RESUME_CKPT resumes from one (``last``: the newest under
+            ``OUT_DIR/ckpt``, found as ``lightning-rl fit --ckpt_path last`` finds it). Each rank's RNG is
+            seeded differently at the start of ``fit`` and recorded per step, so a resume that restores
+            rank 0's RNG on every rank shows.
 
 Rank 0 saves the trained weights (gathered on every rank), what each rank held, the logged metrics and,
 per step and rank, the logged metrics, to ``OUT_DIR/result.pt``.
@@ -165,6 +166,10 @@ def main() -> None:
                         enable_checkpointing=mode == "resume", enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=out, callbacks=callbacks, **validation)
     module, datamodule = build(mode, out)
+    if resume == "last":
+        from lightning_rl.cli import find_last_checkpoint
+
+        resume = find_last_checkpoint(trainer)
     trainer.fit(module, datamodule, ckpt_path=resume)
     weights = full_state_dict(module.policy.model)  # every rank joins
     reference = getattr(module, "_reference", None) or getattr(module, "reference", None)

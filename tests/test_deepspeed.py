@@ -7,6 +7,7 @@ are DeepSpeed's own. Each run is a script under a hard timeout (see ``helpers.la
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -83,11 +84,13 @@ def test_zero3_dapo_fit_partitions_agrees_on_every_collective_and_exports(tmp_pa
 
 
 def test_zero3_grpo_resumes_exactly_from_a_deepspeed_checkpoint(tmp_path):
-    """4 steps vs 2 + a DeepSpeed checkpoint folder + 2: the same metrics, weights and per-rank RNG."""
+    """4 steps vs 2 + a DeepSpeed checkpoint folder + 2: the same metrics, weights and per-rank RNG. The
+    resumed run finds the folder as `--ckpt_path last` does."""
     _launch("fsdp2_fit.py", str(tmp_path / "full"), "resume", "4", stage=3, timeout=300)
     (ckpt,) = (tmp_path / "full" / "ckpt").glob("*step=2.ckpt")
     assert ckpt.is_dir() and (ckpt / "checkpoint").is_dir()
-    _launch("fsdp2_fit.py", str(tmp_path / "resumed"), "resume", "4", str(ckpt), stage=3, timeout=300)
+    shutil.copytree(ckpt, tmp_path / "resumed" / "ckpt" / ckpt.name)
+    _launch("fsdp2_fit.py", str(tmp_path / "resumed"), "resume", "4", "last", stage=3, timeout=300)
     full, resumed = (torch.load(tmp_path / run / "result.pt") for run in ("full", "resumed"))
     assert full["global_step"] == resumed["global_step"] == 4
     for rank in (0, 1):

@@ -6,6 +6,7 @@ SIGTERM, and a hang (a rank skipping a collective) must fail the test, not stall
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -121,11 +122,13 @@ def test_fsdp2_dpo_fit_validates_and_exports(tmp_path):
 
 def test_fsdp2_grpo_resumes_exactly_from_a_sharded_checkpoint(tmp_path):
     """4 steps in one go vs 2 steps, a distributed checkpoint (a folder of shards), and 2 more: the same
-    metrics, weights and, on each rank, its own RNG state (ranks are seeded differently)."""
+    metrics, weights and, on each rank, its own RNG state (ranks are seeded differently). The resumed run
+    finds the folder as `--ckpt_path last` does."""
     _launch("fsdp2_fit.py", str(tmp_path / "full"), "resume", "4", timeout=300)
     (ckpt,) = (tmp_path / "full" / "ckpt").glob("*step=2.ckpt")
     assert ckpt.is_dir() and len(list(ckpt.glob("*.distcp"))) == 2
-    _launch("fsdp2_fit.py", str(tmp_path / "resumed"), "resume", "4", str(ckpt), timeout=300)
+    shutil.copytree(ckpt, tmp_path / "resumed" / "ckpt" / ckpt.name)
+    _launch("fsdp2_fit.py", str(tmp_path / "resumed"), "resume", "4", "last", timeout=300)
     full, resumed = (torch.load(tmp_path / run / "result.pt") for run in ("full", "resumed"))
     assert full["global_step"] == resumed["global_step"] == 4
     rng = []

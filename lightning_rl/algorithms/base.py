@@ -253,6 +253,7 @@ class PolicyModule(L.LightningModule):
         from lightning_rl import callbacks as cbs
 
         wanted = [cbs.ExportPolicy(), cbs.CheckpointOnInterrupt(), cbs.LogAtOptimizerStep()]
+        wanted.append(cbs.BatchGeometry())  # a resume with another batch size / G / world size is refused
         if self.trainer.predicting:  # predict writes its rows (the CLI adds one, set by `--predictions.*`)
             wanted.append(cbs.WritePredictions())
         callbacks = [cb for cb in wanted if not has_callback(self.trainer, type(cb))]
