@@ -189,6 +189,7 @@ def policy_loss(
     num_tokens: Count = None,
     num_seqs: Count = None,
     token_weights: Tensor | None = None,
+    kl_clamp: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Every policy objective: ``aggregate(surrogate(logp, log r, A, mask) + kl_coef * KL(pi || pi_ref))``.
 
@@ -204,10 +205,14 @@ def policy_loss(
         num_tokens, num_seqs: whole-minibatch normalisers (see :func:`aggregate`).
         token_weights: ``[B, T]`` detached per-token weights of the surrogate (off-policy correction,
             :func:`rollout_is_weights`), or None; the KL term is not weighted.
+        kl_clamp: the per-token KL term in the loss is clamped to ``[-kl_clamp, kl_clamp]`` (verl clamps its
+            low-variance KL at 10): a token past it adds no KL gradient. ``None``: no clamp.
 
     Returns:
         ``(loss, metrics)``: ``policy/{approx_kl, ratio_mean}``, the trust region's stats (``clip_frac*`` or
-        ``gate_weight_mean``) and ``policy/kl_ref`` when ``ref_logp`` is given.
+        ``gate_weight_mean``); when ``ref_logp`` is given ``policy/kl_ref`` (the unclamped mean),
+        ``policy/kl_ref_max`` (the largest per-token KL, ``-inf`` without valid tokens) and, with
+        ``kl_clamp``, ``policy/kl_clamp_frac`` (the share of tokens the clamp bit).
     """
     check_shapes("logp", logp, ndim=2, old_logp=old_logp, mask=mask, ref_logp=ref_logp)
     check_choice("ratio_level", ratio_level, tuple(RATIO_LEVELS))
@@ -238,9 +243,15 @@ def policy_loss(
         metrics["policy/approx_kl"] = mean(kl_penalty(torch.zeros_like(log_ratio), log_ratio, "k3"))
     if ref_logp is not None:
         kl = kl_penalty(torch.where(mask, logp, 0.0), torch.where(mask, ref_logp, 0.0), kl_estimator)
+        term = kl if kl_clamp is None else kl.clamp(-kl_clamp, kl_clamp)
         if kl_coef != 0:
-            per_token = per_token + kl_coef * kl
-        metrics["policy/kl_ref"] = masked_mean(kl.detach(), mask)
+            per_token = per_token + kl_coef * term
+        detached = kl.detach()
+        metrics["policy/kl_ref"] = masked_mean(detached, mask)
+        metrics["policy/kl_ref_max"] = torch.where(mask, detached, -torch.inf).amax() if mask.numel() \
+            else detached.new_tensor(-torch.inf)
+        if kl_clamp is not None:
+            metrics["policy/kl_clamp_frac"] = masked_mean((detached.abs() > kl_clamp).to(logp.dtype), mask)
     return aggregate(per_token, mask, aggregation, num_tokens=num_tokens, num_seqs=num_seqs), metrics
 
 

@@ -1,4 +1,4 @@
-"""The RL step's metrics: weighted means over the step (and over ranks), logged once per step.
+"""The RL step's metrics: weighted means (maxima for ``*_max``) over the step and ranks, logged once per step.
 
 Stages return their numbers; the module feeds them here with a weight (samples for rollout statistics,
 the micro-batch's share for loss terms) and logs everything at the end of the step. Collectives are
@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torchmetrics import MeanMetric
+from torchmetrics import MaxMetric, MeanMetric
 
 STEP_STAT_PREFIXES = ("perf/", "rollout/", "critic/", "policy/")  # step statistics that are logged
 NOT_LOGGED = ("perf/generated_tokens",)
@@ -29,17 +29,23 @@ class StepMetrics:
         self.metrics: dict[str, MeanMetric] = {}
         self.updated: set[str] = set()  # names this rank updated during the current step
 
-    def _metric(self, device: torch.device, name: str) -> MeanMetric:
+    def _metric(self, device: torch.device, name: str) -> MeanMetric | MaxMetric:
+        """The metric of ``name``: a maximum for names ending in ``_max``, else a weighted mean."""
         if name not in self.metrics:
-            self.metrics[name] = MeanMetric(nan_strategy="ignore").to(device)
+            kind = MaxMetric() if name.endswith("_max") else MeanMetric(nan_strategy="ignore")
+            self.metrics[name] = kind.to(device)
         return self.metrics[name]
 
     def add(self, device: torch.device, values: Mapping[str, Any], weight: float = 1.0) -> None:
         """Add each value with ``weight``."""
         for name, value in values.items():
             value = torch.as_tensor(value, dtype=torch.float32, device=device)
-            weight_t = torch.as_tensor(weight, dtype=torch.float32, device=device)
-            self._metric(device, name).update(value, weight_t)
+            metric = self._metric(device, name)
+            if isinstance(metric, MaxMetric):
+                if weight > 0:
+                    metric.update(value)
+            else:
+                metric.update(value, torch.as_tensor(weight, dtype=torch.float32, device=device))
             self.updated.add(name)
 
     def add_stats(self, device: torch.device, stats: Mapping[str, float]) -> None:
@@ -55,12 +61,16 @@ class StepMetrics:
         out = {}
         for name in sorted(self.metrics):  # every rank: the same names, in the same order
             metric = self.metrics[name]
-            if not metric.update_called:  # weight 0: joins the all-reduce without changing the mean
+            is_max = isinstance(metric, MaxMetric)
+            if not metric.update_called:  # joins the all-reduce without changing the mean or the maximum
                 zero = torch.zeros((), dtype=torch.float32, device=device)
-                metric.update(zero, zero)
+                if is_max:
+                    metric.update(zero - torch.inf)
+                else:
+                    metric.update(zero, zero)
             value = metric.compute()
             metric.reset()
-            if torch.isnan(value):  # no rank had data
+            if torch.isnan(value) or (is_max and value == -torch.inf):  # no rank had data
                 continue
             log(name, value)
             out[name] = float(value)

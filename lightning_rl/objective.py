@@ -50,6 +50,9 @@ class Objective:
         aggregation: one of ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum``.
         kl_coef: coefficient of the KL-to-reference penalty in the loss (0: off, no reference needed).
         kl_estimator: ``k1``, ``k2`` or ``k3``.
+        kl_clamp: clamp of the per-token KL term in the loss to ``[-kl_clamp, kl_clamp]`` (``None``: off): one
+            token's KL spike (a token the policy all but dropped) cannot dominate the update. How often it
+            bites: ``policy/kl_clamp_frac``; the largest per-token KL: ``policy/kl_ref_max``.
     """
 
     ratio_level: RatioLevel = "token"
@@ -62,6 +65,7 @@ class Objective:
     aggregation: Aggregation = "seq-mean-token-mean"
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = "k3"
+    kl_clamp: float | None = 10.0
 
     def __post_init__(self) -> None:
         choices = {
@@ -85,6 +89,8 @@ class Objective:
             raise ValueError(f"`model.clip_ratio_c` must be > 1, got {self.clip_ratio_c}")
         if self.kl_coef < 0:
             raise ValueError(f"`model.kl_coef` must be >= 0, got {self.kl_coef}")
+        if self.kl_clamp is not None and not self.kl_clamp > 0:
+            raise ValueError(f"`model.kl_clamp` must be > 0 or null, got {self.kl_clamp}")
 
     def _refuse_unused_options(self) -> None:
         """An option of another trust region set away from its default would be ignored silently: refuse."""
@@ -126,5 +132,5 @@ class Objective:
             logp, old_logp, ref_logp, advantages, mask, ratio_level=self.ratio_level,
             trust_region=self.trust_region, trust_region_args=self.trust_region_args,
             aggregation=self.aggregation, kl_coef=self.kl_coef, kl_estimator=self.kl_estimator,
-            num_tokens=num_tokens, num_seqs=num_seqs, token_weights=token_weights,
+            num_tokens=num_tokens, num_seqs=num_seqs, token_weights=token_weights, kl_clamp=self.kl_clamp,
         )

@@ -113,6 +113,18 @@ def test_metrics_compute_every_known_name_every_step():
     assert all(not math.isnan(v) for v in logged.values())
 
 
+def test_max_metrics_take_the_maximum_over_micro_batches_whatever_their_weight():
+    metrics, logged = StepMetrics(), {}
+    metrics.add(CPU, {"policy/kl_ref_max": 3.0, "policy/kl_ref": 1.0}, 0.75)
+    metrics.add(CPU, {"policy/kl_ref_max": 7.0, "policy/kl_ref": 2.0}, 0.25)
+    metrics.add(CPU, {"policy/kl_ref_max": 99.0}, 0.0)  # an empty micro-batch's placeholder: left out
+    metrics.log(CPU, lambda n, v: logged.__setitem__(n, float(v)))
+    assert logged == {"policy/kl_ref_max": 7.0, "policy/kl_ref": 1.25}
+    logged.clear()
+    metrics.log(CPU, lambda n, v: logged.__setitem__(n, float(v)))  # no data this step: not logged
+    assert logged == {}
+
+
 def test_state_dict_keeps_every_ranks_refill_position():
     def fake_trainer(rank, positions):
         strategy = SimpleNamespace(root_device=torch.device("cpu"),

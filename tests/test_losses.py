@@ -825,3 +825,28 @@ def test_shaping_errors():
             L.overlong_penalty(torch.tensor([5]), 10, cache_len)
     with pytest.raises(ValueError, match="`max_len`"):
         L.overlong_penalty(torch.tensor([5]), 0, 0)
+
+
+def test_kl_clamp_bounds_a_spike_and_logs_the_max_and_how_often():
+    # two tokens, ratio 1 (logp == old_logp), advantage 0: the loss is the KL term alone, token-mean.
+    # token 0: ref - logp = 5 -> k3 = e^5 - 5 - 1 = 142.4132; token 1: ref - logp = ln 2 -> k3 = 0.3068528.
+    # clamp 10: loss = 0.1 * (10 + 0.3068528) / 2 = 0.5153426; unclamped 0.1 * 142.7200 / 2 = 7.136002.
+    # The clamped token gives no gradient; token 1's d k3 / d logp = 1 - e^(ref - logp) = -1, times 0.1 / 2.
+    logp = torch.tensor([[-5.0, -math.log(2)]], requires_grad=True)
+    ref = torch.zeros(1, 2)
+    adv, mask = torch.zeros(1), torch.ones(1, 2)
+    loss, m = L.policy_loss(logp, logp.detach(), ref, adv, mask, aggregation="token-mean", kl_coef=0.1,
+                            kl_clamp=10.0)
+    assert loss.item() == pytest.approx(0.5153426, rel=1e-5)
+    loss.backward()
+    close(logp.grad, [[0.0, -0.05]])
+    assert m["policy/kl_ref_max"].item() == pytest.approx(142.4132, rel=1e-5)
+    assert m["policy/kl_clamp_frac"].item() == pytest.approx(0.5)
+    assert m["policy/kl_ref"].item() == pytest.approx((142.4132 + 0.3068528) / 2, rel=1e-5)  # unclamped
+    free, m = L.policy_loss(logp, logp.detach(), ref, adv, mask, aggregation="token-mean", kl_coef=0.1)
+    assert free.item() == pytest.approx(7.136002, rel=1e-5) and "policy/kl_clamp_frac" not in m
+    from lightning_rl.objective import Objective
+
+    with pytest.raises(ValueError, match="model.kl_clamp"):
+        Objective(kl_coef=0.1, kl_clamp=0.0)
+    assert Objective().kl_clamp == 10.0

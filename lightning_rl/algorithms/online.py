@@ -68,6 +68,8 @@ class OnlineRL(ManualSteps, PolicyModule):
         ppo_epochs, num_minibatches, micro_batch_size, max_grad_norm: the updater (``lightning_rl.update``).
         ratio_level, trust_region, clip_low, clip_high, clip_ratio_c, tau_pos, tau_neg, aggregation,
             kl_coef, kl_estimator: the objective axes, see :class:`lightning_rl.objective.Objective`.
+        kl_clamp: the per-token KL term in the loss is clamped to ``[-kl_clamp, kl_clamp]`` (``null``: off);
+            ``policy/kl_clamp_frac`` says how often it bites, ``policy/kl_ref_max`` the largest per-token KL.
         kl_in_reward, kl_target, kl_horizon: the KL to the reference as a per-token reward penalty
             (``kl_coef``, ``kl_estimator``) instead of the loss term, optionally adaptive
             (``lightning_rl.estimators.KLInReward``).
@@ -107,8 +109,9 @@ class OnlineRL(ManualSteps, PolicyModule):
         trust_region: TrustRegion = "clip", clip_low: float = 0.2, clip_high: float = 0.2,
         clip_ratio_c: float | None = None, tau_pos: float = 1.0, tau_neg: float = 1.05,
         aggregation: Aggregation = "seq-mean-token-mean", kl_coef: float = 0.0,
-        kl_estimator: KLEstimator = "k3", kl_in_reward: bool = False, kl_target: float | None = None,
-        kl_horizon: int = 10000, entropy_coef: float = 0.0, share_prompt_prefix: bool = True,
+        kl_estimator: KLEstimator = "k3", kl_clamp: float | None = 10.0, kl_in_reward: bool = False,
+        kl_target: float | None = None, kl_horizon: int = 10000, entropy_coef: float = 0.0,
+        share_prompt_prefix: bool = True,
         rollout_seed: int = 0, environment: Environment | None = None, tools: list[str] | None = None,
         max_turns: int = 4, max_episode_tokens: int | None = None,
         tool_format: Literal["auto", "hermes", "plain"] = "auto", tool_timeout: float = 10.0,
@@ -123,7 +126,7 @@ class OnlineRL(ManualSteps, PolicyModule):
         self.objective = Objective(  # with the KL in the reward, not in the loss
             ratio_level=ratio_level, trust_region=trust_region, clip_low=clip_low, clip_high=clip_high,
             clip_ratio_c=clip_ratio_c, tau_pos=tau_pos, tau_neg=tau_neg, aggregation=aggregation,
-            kl_coef=0.0 if kl_in_reward else kl_coef, kl_estimator=kl_estimator)
+            kl_coef=0.0 if kl_in_reward else kl_coef, kl_estimator=kl_estimator, kl_clamp=kl_clamp)
         in_reward = kl_in_reward and kl_coef > 0
         self.kl_reward = KLInReward(kl_coef, kl_estimator, kl_target, kl_horizon) if in_reward else None
         self.updater = Updater(ppo_epochs, num_minibatches, micro_batch_size, max_grad_norm)
@@ -203,6 +206,7 @@ class OnlineRL(ManualSteps, PolicyModule):
             "perf/weight_sync_time": sync_time,
             "perf/update_time": time.perf_counter() - update_start,
             "perf/tokens_per_sec": stats["perf/generated_tokens"] / step_time})
+        self.reward_pipeline.warn_if_slow(stats.get("perf/reward_time", 0.0), step_time)  # once per run
         self.end_step(stats)
 
     def sample(self, batch: dict[str, list], collectives: Collectives | None,
