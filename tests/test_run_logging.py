@@ -64,3 +64,22 @@ def test_dpo_logs_the_policys_own_preference(tmp_path):
     assert metrics["logps/accuracy"].item() == pytest.approx(expected.item())
     assert 0.0 < metrics["logps/accuracy"].item() < 1.0
     assert torch.isfinite(metrics["logps/accuracy"])
+
+
+@pytest.mark.parametrize(("bar", "rate"), [("rich", 1), ("tqdm", 5), ("rich-off", 0)])
+def test_the_step_progress_bar_redraws_every_step_under_rich(tmp_path, bar, rate):
+    """Rich's refresh rate is redraws per second (default 100); the step bar counts batches, so taking it
+    as is froze the bar for 100 steps. A TQDM bar's own rate (batches) is kept."""
+    import lightning as L
+    from helpers import make
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+    from lightning_rl.callbacks import StepProgressBar
+
+    given = {"rich": RichProgressBar(), "tqdm": TQDMProgressBar(refresh_rate=5),
+             "rich-off": RichProgressBar(refresh_rate=0)}[bar]
+    trainer = L.Trainer(accelerator="cpu", callbacks=[given], logger=False, default_root_dir=tmp_path)
+    module = make()
+    module.trainer = trainer
+    (step_bar,) = [cb for cb in module.configure_callbacks() if isinstance(cb, StepProgressBar)]
+    assert step_bar.refresh_rate == rate

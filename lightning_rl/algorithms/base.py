@@ -261,7 +261,10 @@ class PolicyModule(L.LightningModule):
         if type(bar) in (TQDMProgressBar, RichProgressBar):
             # removed here rather than overridden by type, which only covers subclasses (Rich is the default)
             self.trainer.callbacks.remove(bar)
-            callbacks.append(cbs.StepProgressBar(refresh_rate=bar.refresh_rate))
+            # TQDM's refresh rate counts batches; Rich's counts redraws per second (default 100), which as a
+            # batch count would freeze the bar for 100 steps: a Rich bar becomes one refresh per step
+            rate = bar.refresh_rate if isinstance(bar, TQDMProgressBar) else int(bar.refresh_rate > 0)
+            callbacks.append(cbs.StepProgressBar(refresh_rate=rate))
         return callbacks
 
     def configure_optimizers(self) -> Any:
