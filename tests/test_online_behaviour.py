@@ -346,3 +346,22 @@ def test_val_accuracy_is_the_mean_of_the_correctness_function(tmp_path, key):
     expected = sum(r["prompt"][0] < "5" for r in dm.val_rows) / len(dm.val_rows)
     assert 0.2 < expected < 0.8  # a mix: the test tells a mean from a constant
     assert result["val/accuracy"] == pytest.approx(expected, abs=1e-6)
+
+
+def test_correctness_follows_the_main_reward_unless_accuracy_fn_is_set(caplog):
+    """`reward_fns: [numeric_match]` without `accuracy_fn`: validation, DAPO's filter and predict score
+    correctness with numeric_match (full score), not exact_match, and the first validation line says so."""
+    from helpers import make
+
+    numeric = make(reward_fns=["lightning_rl.rewards:numeric_match"])
+    columns = {"answer": ["12", "12"]}
+    assert numeric.correct(["q", "q"], ["so it is 12", "13"], columns) == [True, False]
+    assert numeric.correctness_fn is numeric.accuracy_fn
+    assert "numeric_match (correct at its full score" in numeric.accuracy_name
+    weighted = make(reward_fns=["lightning_rl.rewards:exact_match", "lightning_rl.rewards:numeric_match"],
+                    reward_weights=[0.5, 1.0])
+    assert weighted.accuracy_name.startswith("lightning_rl.rewards:numeric_match")
+    explicit = make(reward_fns=["lightning_rl.rewards:numeric_match"],
+                    accuracy_fn="lightning_rl.rewards:exact_match")
+    assert explicit.correct(["q"], ["so it is 12"], {"answer": ["12"]}) == [False]
+    assert explicit.accuracy_name == "lightning_rl.rewards:exact_match"

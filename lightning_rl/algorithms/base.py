@@ -68,6 +68,8 @@ class PolicyModule(L.LightningModule):
         max_prompt_length: longest prompt in tokens; longer ones fail before training, naming the row.
         max_new_tokens: completion budget for generation (validation here; rollouts in RL modules).
         accuracy_fn: ``module:function`` scoring greedy validation completions; ``val/accuracy`` is its mean.
+            ``None``: ``exact_match``, except in online RL modules, where it follows the main reward function
+            (correct at its full score); the first validation line says which function decides.
         optimizer: optimiser factory (YAML ``class_path`` + ``init_args``); AdamW by default. It gets the
             trainable parameters only (the adapters when ``peft`` is set).
         lr_scheduler: optional LR scheduler factory, stepped once per optimiser step.
@@ -98,7 +100,7 @@ class PolicyModule(L.LightningModule):
         chat_template: bool = False,
         max_prompt_length: int = 512,
         max_new_tokens: int = 64,
-        accuracy_fn: str = "lightning_rl.rewards:exact_match",
+        accuracy_fn: str | None = None,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         lr_scheduler: LRSchedulerCallable | None = None,
         fsdp_cpu_offload: bool = False,
@@ -120,7 +122,8 @@ class PolicyModule(L.LightningModule):
             self.policy.enable_gradient_checkpointing()
         self.chat_template = chat_template
         self.max_prompt_length, self.max_new_tokens = max_prompt_length, max_new_tokens
-        self.accuracy_fn = import_reward(accuracy_fn)
+        self.accuracy_name = accuracy_fn or "lightning_rl.rewards:exact_match"  # what decides val/accuracy
+        self.accuracy_fn = import_reward(self.accuracy_name)
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
         self.fsdp_cpu_offload = fsdp_cpu_offload
         self.fsdp_param_dtype, self.fsdp_reduce_dtype = fsdp_param_dtype, fsdp_reduce_dtype
@@ -435,6 +438,9 @@ class PolicyModule(L.LightningModule):
             for logger in self.loggers:
                 logger.log_metrics({k: float(v) for k, v in results.items()}, step=self.global_step)
         shown = [f"{k} = {float(results[k]):.3f}" for k in self.val_prog_bar if k in results]
+        if shown and not getattr(self, "_said_accuracy", False) and "val/accuracy" in results:
+            rank_zero_info(f"val/accuracy: the mean of {self.accuracy_name} on greedy completions")
+            self._said_accuracy = True
         if shown:
             rank_zero_info(f"step {self.global_step}: " + ", ".join(shown))
 

@@ -48,8 +48,10 @@ class OnlineRL(ManualSteps, PolicyModule):
             ``exact_match``, or none with a ``reward_model``).
         reward_model, reward_model_weight: a one-label sequence-classification folder whose weighted score
             of the rendered prompt + completion is added (kept out of checkpoints and optimisers).
-        correctness_fn: decides ``rollout.correct`` (filters, ``rollout/correct_frac``) and ``val/accuracy``;
-            ``None`` uses ``accuracy_fn``.
+        correctness_fn: decides ``rollout.correct`` (filters, ``rollout/correct_frac``); ``None`` uses
+            ``accuracy_fn``, which when unset follows the main reward function (the first of the largest
+            weight): a sample is correct where it scores 1.0 or more. Validation, DAPO's filter and predict
+            then agree with the reward.
         on_reward_error: ``raise`` stops on a reward function error or NaN; ``zero`` scores it 0, counts it
             in ``rollout/reward_errors`` and warns, naming the function and its last error.
         max_reward_error_frac: with ``on_reward_error: zero``, stop the run when more than this fraction (in
@@ -143,6 +145,9 @@ class OnlineRL(ManualSteps, PolicyModule):
             functions = None  # the environment's rewards alone
         self.rewards = RewardScorer(functions, reward_weights, on_reward_error, max_reward_error_frac) \
             if functions is not None else None
+        if kwargs.get("accuracy_fn") is None and self.rewards is not None:  # follow the main reward function
+            name, fn = main_reward(self.rewards)
+            self.accuracy_fn, self.accuracy_name = full_score(fn), f"{name} (correct at its full score, 1.0)"
         self.correctness_fn = import_reward(correctness_fn) if correctness_fn else self.accuracy_fn
         remote = kwargs.get("trust_remote_code", False)
         self.reward_pipeline = self.reward_stage(reward_model, reward_model_weight, overlong_buffer,
@@ -307,6 +312,20 @@ class OnlineRL(ManualSteps, PolicyModule):
                          weight: float) -> None:
         rewards, _ = self.reward_pipeline.score(batch["prompt"], done.texts, done.lengths, columns)
         self.log_val_mean("val/reward_mean", torch.tensor(done.with_returns(rewards.tolist())).mean(), weight)
+
+
+def main_reward(scorer: RewardScorer) -> tuple[str, Any]:
+    """The first reward function of the largest weight: its name and the function."""
+    best = max(range(len(scorer.fns)), key=lambda i: (scorer.weights[i], -i))
+    return scorer.names[best], scorer.fns[best]
+
+
+def full_score(fn: Any) -> Any:
+    """A correctness function from a reward function: correct where it scores 1.0 or more."""
+    def correct(**kwargs: Any) -> list[bool]:
+        return [float(v) >= 1.0 for v in fn(**kwargs)]
+
+    return correct
 
 
 def check_keys(num_generations: int, advantage: AdvantageEstimator, entropy_coef: float, temperature: float,
