@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_rl.data.calc_task import MultiplyTask, tool_trace_rows
 from lightning_rl.data.sort_task import SortTask
 from lightning_rl.data.validation import ValidationShard
+from lightning_rl.input_checks import InputError
 from lightning_rl.keys import ROW_INDEX_KEY  # defined in the core; still importable from here
 from lightning_rl.models import hub_error, hub_unreachable, looks_local
 
@@ -105,8 +106,8 @@ def _load_file(local: Path, key: str) -> list[dict[str, Any]]:
             return []
         where = _json_error(local) if FILE_BUILDERS[local.suffix] == "json" else None
         if where is not None:  # our message is complete: no chained traceback from the builder
-            raise ValueError(f"`{key}`: cannot read {local}: {where}") from None
-        raise ValueError(f"`{key}`: cannot read {local}: {type(cause).__name__}: {cause}") from err
+            raise InputError(f"`{key}`: cannot read {local}: {where}") from None
+        raise InputError(f"`{key}`: cannot read {local}: {type(cause).__name__}: {cause}") from err
 
 
 def _json_error(local: Path) -> str | None:
@@ -179,7 +180,9 @@ def check_rows(
     source: str,
     locate: Callable[[int], str] | None = None,
 ) -> None:
-    """Raise a ``ValueError`` naming the source, key, column and row for unusable data.
+    """Raise an ``InputError`` (a ``ValueError``) naming the source, key, column and row for unusable data:
+    no rows, a missing column, an empty value, or a prompt (a ``*prompt_column`` key) that is neither a
+    string nor a list of chat messages.
 
     Args:
         rows: the loaded rows.
@@ -189,16 +192,33 @@ def check_rows(
     """
     locate = locate or (lambda i: f"row index {i}")
     if not rows:
-        raise ValueError(f"dataset {source} is empty")
+        raise InputError(f"dataset {source} is empty")
     for key, column in columns.items():
         if column is None:
             continue
         if column not in rows[0]:
-            raise ValueError(f"`{key}`: column `{column}` not in dataset {source}; it has {sorted(rows[0])}")
+            raise InputError(f"`{key}`: column `{column}` not in dataset {source}; it has {sorted(rows[0])}")
         for i, row in enumerate(rows):
             value = row.get(column)
             if value is None or (isinstance(value, (str, list)) and len(value) == 0):
-                raise ValueError(f"dataset {source}, {locate(i)}: column `{column}` ({key}) is empty")
+                raise InputError(f"dataset {source}, {locate(i)}: column `{column}` ({key}) is empty")
+            if key.endswith("prompt_column") and not is_prompt(value):
+                quote = f" (quote it: \"{value}\")" if isinstance(value, (int, float, bool)) else ""
+                raise InputError(
+                    f"dataset {source}, {locate(i)}: column `{column}` ({key}) holds the "
+                    f"{type(value).__name__} {repr(value)[:60]}, not a prompt: write a string{quote} or a "
+                    'list of {"role": ..., "content": ...} messages'
+                )
+
+
+def is_prompt(value: Any) -> bool:
+    """Whether ``value`` is a prompt: a string, or a list of chat messages (dicts with ``role`` and
+    ``content``)."""
+    if isinstance(value, str):
+        return True
+    return isinstance(value, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in value
+    )
 
 
 class PromptStream(IterableDataset):

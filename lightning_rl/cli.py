@@ -31,6 +31,7 @@ from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_rl.algorithms.base import PolicyModule
+from lightning_rl.input_checks import InputError
 from lightning_rl.resume import checkpoint_file_problem, newest_checkpoint
 
 DEFAULT_LOGGER = {
@@ -234,7 +235,7 @@ def main(args: list[str] | None = None) -> None:
         torch.set_num_threads(int(threads))
     try:
         LightningRLCLI(args=args)  # None: LightningCLI reads sys.argv itself
-    except ConfigError as err:
+    except (ConfigError, InputError) as err:  # InputError: the data or model, found setting up fit
         sys.exit(f"lightning-rl: error: {err}")
 
 

@@ -20,12 +20,13 @@ unchanged when the model config is a Llama one (a Qwen2 config would rebuild it 
 
 from __future__ import annotations
 
+import json
 import os
 import string
 from collections.abc import Callable, Sequence
 from importlib.util import find_spec
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -178,6 +179,86 @@ def check_model_folder(name_or_path: str, key: str) -> Path:
     return folder
 
 
+def check_safetensors(path: Path, key: str) -> None:
+    """Fail, naming ``path``, unless its header is whole and its tensors fit in the file (a truncated copy
+    or another file renamed; ``safetensors`` alone says "invalid header length" without the file).
+
+    Raises:
+        ValueError: naming ``key`` and the file.
+    """
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        header = f.read(length) if 0 <= length <= size - 8 else b""
+    why = None
+    if length < 0 or length > size - 8:
+        why = f"its header length says {length} bytes, the file has {size}" if length >= 0 else "no header"
+    else:
+        try:
+            entries = json.loads(header)
+            ends = [int(v["data_offsets"][1]) for k, v in entries.items() if k != "__metadata__"]
+            end = max(ends, default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            why = "its header is not a safetensors header"
+        else:
+            if 8 + length + end > size:
+                why = f"its tensors need {8 + length + end} bytes, the file has {size}"
+    if why is not None:
+        raise ValueError(f"`{key}`: {path} is corrupt or truncated ({why}): save the model again "
+                         "(`save_pretrained`) or download it again")
+
+
+def check_model_files(folder: Path, key: str) -> None:
+    """A policy folder's files: every ``*.safetensors`` whole (:func:`check_safetensors`) and a tokenizer
+    (:func:`check_tokenizer_files`), checked before ``transformers`` reads them."""
+    for weights in sorted(folder.glob("*.safetensors")):
+        check_safetensors(weights, key)
+    check_tokenizer_files(folder, key)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+def check_tokenizer_files(folder: Path, key: str) -> None:
+    """Fail, naming the folder, when it holds no tokenizer (``AutoTokenizer`` then tries to convert a slow
+    tokenizer it cannot find and blames sentencepiece / tiktoken).
+
+    Raises:
+        FileNotFoundError: naming ``key``, the folder and the files looked for.
+    """
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES) and not any(folder.glob("*.tiktoken")):
+        raise FileNotFoundError(
+            f"`{key}`: {folder} has no tokenizer files ({' / '.join(TOKENIZER_FILES[:3])}, ...): save the "
+            "tokenizer into it too (`tokenizer.save_pretrained(folder)`), or copy those files from the model "
+            "it was trained from"
+        )
+
+
+def check_vocabulary(model: Any, tokenizer: PreTrainedTokenizerBase, source: str, key: str) -> None:
+    """Fail when ``model`` has fewer embedding (or output) rows than ``tokenizer`` has tokens: a token id
+    past them indexes outside the embedding (an ``IndexError`` mid-run, or nothing at all when the task's
+    ids happen to fit). More rows than tokens is common (padded vocabularies) and fine.
+
+    Raises:
+        ValueError: naming ``key``, ``source`` and both sizes.
+    """
+    rows = [getattr(model.get_input_embeddings(), "num_embeddings", None)]
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    rows.append(getattr(getattr(output, "weight", None), "shape", [None])[0])
+    known = [r for r in rows if isinstance(r, int)]
+    tokens = len(tokenizer)
+    if known and min(known) < tokens:
+        vocab, fewest = getattr(getattr(model, "config", None), "vocab_size", None), min(known)
+        raise ValueError(
+            f"`{key}`: the model in {source} has {fewest} embedding rows (`config.vocab_size`={vocab}) but "
+            f"its tokenizer has {tokens} tokens, so ids >= {fewest} have no embedding: use the tokenizer the "
+            "model was trained with, or resize the model to it "
+            "(`model.resize_token_embeddings(len(tokenizer))`) and save both again"
+        )
+
+
 def load_pretrained(
     name_or_path: str,
     load: Callable[[str, bool], T],
@@ -232,17 +313,21 @@ def load_policy(
     ``builtin:tiny-sort`` is the embedded model warm-started on the sort task, ``builtin:tiny-tools`` the
     same model warm-started on calculator tool traces; ``builtin:tiny-scratch`` is the same architecture
     freshly initialised; anything else is a local folder or a hub id, loaded by
-    :func:`load_pretrained` (which fails at once on a missing folder or an unreachable hub).
+    :func:`load_pretrained` (which fails at once on a missing folder or an unreachable hub). A local folder
+    must hold whole weights files and a tokenizer (:func:`check_model_files`), and the model at least one
+    embedding row per token of its tokenizer (:func:`check_vocabulary`).
     """
     from lightning_rl.policy import Policy  # here: policy.py may import this module
 
     if model == "builtin:tiny-scratch":
         tokenizer = build_char_tokenizer()
         return Policy.from_config(tiny_llama_config(tokenizer), tokenizer)
-    return load_pretrained(
-        model,
-        lambda source, offline: Policy.from_pretrained(
-            source, dtype=dtype, trust_remote_code=trust_remote_code, local_files_only=offline
-        ),
-        key=key,
-    )
+    def load(source: str, offline: bool) -> Policy:
+        if looks_local(source):  # a folder that load_pretrained checked
+            check_model_files(Path(source), key)
+        policy = Policy.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code,
+                                        local_files_only=offline)
+        check_vocabulary(policy.model, policy.tokenizer, model, key)
+        return policy
+
+    return load_pretrained(model, load, key=key)

@@ -105,12 +105,14 @@ class RewardScores:
     """The rewards of one batch, and which samples failed and why (``on_error: zero``).
 
     ``totals[i]`` is the weighted sum over functions, 0.0 where any function failed on sample ``i``;
-    ``failed`` holds those samples; ``errors`` one entry per function that failed, in ``fns`` order.
+    ``failed`` holds those samples; ``errors`` one entry per function that failed, in ``fns`` order;
+    ``seconds`` each function's wall time on the batch, in ``fns`` order.
     """
 
     totals: list[float]
     failed: frozenset[int]
     errors: list[FunctionErrors]
+    seconds: tuple[float, ...] = ()
 
 
 class RewardScorer:
@@ -182,8 +184,11 @@ class RewardScorer:
         total = [0.0] * n
         failed: set[int] = set()
         errors: list[FunctionErrors] = []
+        seconds = []
         for name, fn, weight in zip(self.names, self.fns, self.weights, strict=True):
+            start = time.perf_counter()
             values, bad = self._one(name, fn, prompts, completions, columns)
+            seconds.append(time.perf_counter() - start)
             total = [t + weight * v for t, v in zip(total, values, strict=True)]
             if bad:
                 i = max(bad)
@@ -191,7 +196,7 @@ class RewardScorer:
                 errors.append(FunctionErrors(name, len(bad), n, last))
                 failed.update(bad)
         totals = [0.0 if i in failed else t for i, t in enumerate(total)]
-        return RewardScores(totals, frozenset(failed), errors)
+        return RewardScores(totals, frozenset(failed), errors, tuple(seconds))
 
     def _one(
         self, name: str, fn: RewardFn, prompts: Sequence[Any], completions: Sequence[str], columns: dict
@@ -276,6 +281,9 @@ class RewardPipeline:
         reward_model_weight: weight of its score.
         render: ``prompts -> (rendered texts, add_special_tokens)`` for the reward model's re-tokenising.
         overlong: ``(max_len, buffer, factor)`` of DAPO's soft overlong punishment, or None.
+
+    Each part's time (every reward function, the reward model, ``correctness_fn``) is summed in ``timings``
+    until :meth:`warn_if_slow`, which names the slowest when rewards take most of a training step.
     """
 
     def __init__(self, scorer: RewardScorer | None, correctness_fn: RewardFn, *, reward_model: Any = None,
@@ -284,6 +292,35 @@ class RewardPipeline:
         self.scorer, self.correctness_fn = scorer, correctness_fn
         self.reward_model, self.reward_model_weight = reward_model, reward_model_weight
         self.render, self.overlong = render, overlong
+        self.timings: dict[str, list[float]] = {}  # part -> [seconds, calls] since the last `warn_if_slow`
+        self.warned_slow = False
+        fn = correctness_fn
+        self.correctness_part = f"correctness function `{getattr(fn, '__module__', '?')}:" \
+                                f"{getattr(fn, '__qualname__', type(fn).__name__)}`"
+
+    def timed(self, part: str, seconds: float) -> None:
+        """Add one call of ``part`` (e.g. "reward function `pkg.mod:fn`") that took ``seconds``."""
+        total = self.timings.setdefault(part, [0.0, 0])
+        total[0] += seconds
+        total[1] += 1
+
+    def warn_if_slow(self, reward_time: float, step_time: float) -> None:
+        """Warn (rank 0, once per run) when the rewards took more than half of a training step, naming the
+        slowest part and its seconds per call; the timings then start again for the next step."""
+        timings, self.timings = self.timings, {}
+        if self.warned_slow or not timings or not reward_time > 0.5 * step_time:
+            return
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        part, (seconds, calls) = max(timings.items(), key=lambda item: item[1][0])
+        self.warned_slow = True
+        calls = int(calls)
+        rank_zero_warn(
+            f"rewards took {reward_time:.2f}s of a {step_time:.2f}s training step (`perf/reward_time` of "
+            f"`perf/step_time`); the slowest is the {part} at {seconds / calls:.2f}s per call ({calls} "
+            f"call{'s' * (calls != 1)}): score the batch at once, cache or parallelise it, or it bounds the "
+            "run's speed"
+        )
 
     def score(self, prompts: Sequence[Any], texts: list[str], lengths: list[int],
               columns: dict[str, list]) -> tuple[Any, RewardScores]:
@@ -292,12 +329,16 @@ class RewardPipeline:
 
         if self.scorer is not None:
             scores = self.scorer.score(prompts, texts, completion_lengths=lengths, **columns)
+            for name, seconds in zip(self.scorer.names, scores.seconds, strict=False):
+                self.timed(f"reward function `{name}`", seconds)
         else:
             scores = RewardScores([0.0] * len(texts), frozenset(), [])
         rewards = torch.tensor(scores.totals, dtype=torch.float32)
         if self.reward_model is not None and texts:
+            start = time.perf_counter()
             rendered, special = self.render(prompts)
             model_scores = self.reward_model.score(rendered, texts, add_special_tokens=special)
+            self.timed("reward model", time.perf_counter() - start)
             rewards = rewards + self.reward_model_weight * model_scores.cpu().float()
         return rewards, scores
 
@@ -320,8 +361,10 @@ class RewardPipeline:
             max_len, buffer, factor = self.overlong
             penalty = factor * torch.tensor(overlong_reward(lengths, max_len, buffer), dtype=torch.float32)
             rewards = rewards + penalty
+        correctness_start = time.perf_counter()
         correct = torch.tensor([bool(c) for c in self.correctness_fn(prompts=prompts, completions=texts,
                                                                    **columns)], dtype=torch.bool)
+        self.timed(self.correctness_part, time.perf_counter() - correctness_start)
         stats = {"rollout/reward_errors": float(len(scores.failed)),
                  "rollout/overlong_penalty_mean": float(penalty.mean()) if len(penalty) else 0.0,
                  "perf/reward_time": time.perf_counter() - start}

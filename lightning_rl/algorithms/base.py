@@ -24,6 +24,7 @@ from lightning_rl.adapters import (
     wrap_model,
 )
 from lightning_rl.engine import Generation, HFEngine, RolloutEngine, SamplingParams
+from lightning_rl.input_checks import InputError, check_scoring_columns, warn_if_lr_is_zero
 from lightning_rl.keys import VAL_WEIGHT_KEY
 from lightning_rl.models import load_policy
 from lightning_rl.policy import Policy
@@ -184,8 +185,13 @@ class PolicyModule(L.LightningModule):
         return {"train_micro_batch_size_per_gpu": 1}
 
     def on_fit_start(self) -> None:
+        """Before any validation or training step: the policy in train mode, and the checks that the data
+        fits the config (prompt lengths, the columns scoring functions need) and that ``lr`` is not 0."""
         self.policy.train()  # HF models load in eval mode and Lightning keeps it
         self.check_prompt_lengths()
+        check_scoring_columns(self, getattr(self.trainer, "datamodule", None))
+        warn_if_lr_is_zero(self.trainer.optimizers,
+                           [config.scheduler for config in self.trainer.lr_scheduler_configs])
 
     def check_prompt_lengths(self) -> None:
         """Fail before the first step if any train / val prompt exceeds ``max_prompt_length``, naming
@@ -201,7 +207,7 @@ class PolicyModule(L.LightningModule):
                 for i, n in enumerate(self.prompt_lengths(chunk)):
                     if n > self.max_prompt_length:
                         where = row_locator(source)(start + i) + (f" of {source}" if source else "")
-                        raise ValueError(
+                        raise InputError(
                             f"{split} prompt at {where} is {n} tokens, longer than "
                             f"`model.max_prompt_length`={self.max_prompt_length}"
                         )
