@@ -31,6 +31,7 @@ from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_rl.algorithms.base import PolicyModule
+from lightning_rl.config_errors import SummarizingParser, check_class_paths, summarized
 from lightning_rl.input_checks import InputError
 from lightning_rl.resume import checkpoint_file_problem, newest_checkpoint
 
@@ -85,6 +86,7 @@ class LightningRLCLI(LightningCLI):
             subclass_mode_model=True,
             subclass_mode_data=True,
             parser_kwargs={"parser_mode": "omegaconf"},
+            parser_class=SummarizingParser,  # config errors end in one line: what, where, closest valid
             trainer_defaults={"logger": DEFAULT_LOGGER},
             # a rerun into a named version folder replaces its config instead of failing
             save_config_callback=SaveRunConfig,
@@ -105,7 +107,9 @@ class LightningRLCLI(LightningCLI):
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
         check_peft_installed(sys.argv[1:] if args is None else args)
-        super().parse_arguments(parser, args)
+        with summarized(parser):
+            super().parse_arguments(parser, args)
+        check_class_paths(parser, self.config)
         # before LightningCLI reads the checkpoint's hyperparameters with torch.load
         if self.config.get("subcommand"):
             check_checkpoint_file(self.config[self.config.subcommand].get("ckpt_path"))
