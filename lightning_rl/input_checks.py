@@ -94,7 +94,7 @@ def scored_functions(module: Any) -> list[Scored]:
                 out.append(Scored(split, "model.init_args.reward_fns", fn, REWARD_EXTRAS, note,
                                   "remove it from `model.init_args.reward_fns`"))
             out.append(correctness._replace(split=split))
-    elif type(module).validation_step is PolicyModule.validation_step:
+    elif type(module).validation_step is PolicyModule.validation_step and hasattr(module, "accuracy_fn"):
         out.append(Scored("val", "model.init_args.accuracy_fn", module.accuracy_fn, CORRECTNESS_EXTRAS, "",
                           "set `model.init_args.accuracy_fn` to a function of the columns present"))
     return out
