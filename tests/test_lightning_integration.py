@@ -37,16 +37,17 @@ def sampled(module: GRPO, top_k: int, top_p: float):
 @pytest.mark.parametrize("ratio_level", ["token", "sequence"])
 def test_moved_policy_with_top_k_top_p_gives_finite_loss_kl_and_gradient(ratio_level):
     module = make(GRPO, top_k=5, top_p=0.9, kl_coef=0.04, ratio_level=ratio_level)
+    module.reference_policy()  # the policy as loaded (fit builds it in `setup`), before it moves
     perturb(module.policy.model)
     gen = sampled(module, top_k=5, top_p=0.9)
     args = (gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask)
     valid = gen.completion_mask.bool()
     # The trap this guards against: scored under its *own* filter, the reference rejects tokens the moved
     # policy sampled (-inf log-prob, infinite k3).
-    filtered_ref, _ = module._reference.token_logprobs(*args, temperature=1.0, top_k=5, top_p=0.9)
+    filtered_ref, _ = module.reference_policy().token_logprobs(*args, temperature=1.0, top_k=5, top_p=0.9)
     assert torch.isinf(filtered_ref[valid]).sum() > 0
     # What training does: every log-prob on the tempered, unfiltered distribution.
-    ref = module._reference.token_logprobs(*args, temperature=module.sampling.temperature)[0]
+    ref = module.reference_policy().token_logprobs(*args, temperature=module.sampling.temperature)[0]
     old = module.policy.token_logprobs(*args, temperature=module.sampling.temperature)[0].detach()
     logp, _ = module.policy.token_logprobs(*args, temperature=module.sampling.temperature)
     adv = torch.linspace(-1.5, 1.5, len(valid))

@@ -71,7 +71,7 @@ def test_grpo_lora_yaml_trains_only_the_adapters_and_exports_the_adapter_folder(
     assert optimised(cli.trainer.optimizers[0]) == adapters == trainable
     assert_only_adapters_trained(module, embedded)
     # the KL reference is the same weights with the adapters off: no second copy
-    assert module._reference.shares_weights and list(module._reference.parameters()) == []
+    assert module.reference_policy().shares_weights and list(module.reference_policy().parameters()) == []
     (run,) = (tmp_path / "lightning-rl").glob("version_*")
     assert "val/accuracy" in scalars(run) and "policy/kl_ref" in scalars(run)
     # the checkpoint holds the adapters and their optimiser state, not the frozen base
@@ -160,7 +160,8 @@ def test_reference_is_the_base_with_adapters_off_and_checkpointing_keeps_adapter
     # no second copy: the module holds the base once plus the adapters (the plain module holds two copies)
     numel = lambda params: sum(p.numel() for p in params)  # noqa: E731
     assert numel(module.parameters()) == numel(plain.policy.parameters()) + lora
-    assert numel(plain._reference.parameters()) > 0 == len(list(module._reference.parameters()))
+    shared = list(module.reference_policy().parameters())
+    assert numel(plain.reference_policy().parameters()) > 0 == len(shared)
     with torch.no_grad():
         for n, p in module.policy.named_parameters():
             if "lora_B" in n:
@@ -168,8 +169,8 @@ def test_reference_is_the_base_with_adapters_off_and_checkpointing_keeps_adapter
     ids, mask = module.encode_prompts(["31=", "7737="])
     gen = module.policy.generate(ids, mask, num_samples=2, max_new_tokens=6)
     args = (gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask)
-    ref, _ = module._reference.token_logprobs(*args)
-    base, _ = plain._reference.token_logprobs(*args)  # the embedded model, unchanged
+    ref, _ = module.reference_policy().token_logprobs(*args)
+    base, _ = plain.reference_policy().token_logprobs(*args)  # the embedded model, unchanged
     torch.testing.assert_close(ref, base, rtol=0, atol=1e-5)
     # gradient checkpointing (non-reentrant): gradients reach every adapter through the frozen base
     logp, _ = module.policy.token_logprobs(*args)

@@ -365,3 +365,18 @@ def test_correctness_follows_the_main_reward_unless_accuracy_fn_is_set(caplog):
                     accuracy_fn="lightning_rl.rewards:exact_match")
     assert explicit.correct(["q"], ["so it is 12"], {"answer": ["12"]}) == [False]
     assert explicit.accuracy_name == "lightning_rl.rewards:exact_match"
+
+
+def test_validate_and_predict_build_no_reference_fit_does(tmp_path):
+    """The KL reference (a whole copy of the policy) is built for fit only, in `setup` before a resumed
+    checkpoint's weights load: validate and predict never hold one."""
+    from helpers import datamodule, make, make_trainer
+
+    module = make(kl_coef=0.04)
+    assert module._reference is None
+    make_trainer(tmp_path, limit_val_batches=1).validate(module, datamodule(max_val_rows=4))
+    make_trainer(tmp_path).predict(module, datamodule(max_val_rows=4))
+    assert module._reference is None
+    make_trainer(tmp_path).fit(module, datamodule())
+    assert module._reference is not None and not module._reference.shares_weights
+    assert make(kl_coef=0.0).reference_policy() is None

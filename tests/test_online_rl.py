@@ -253,8 +253,8 @@ def test_single_update_gradient_equals_recorded_old_logprobs(tmp_path, monkeypat
         collectives = Collectives(trainer)
         rollout = sample(module, first_batch(trainer))
         rollout.advantages = torch.randn(len(rollout), generator=torch.Generator().manual_seed(1))
-        rollout, _ = behaviour_passes(module)(rollout, module.policy, module._reference, collectives)
-        torch.testing.assert_close(rollout.ref_logp, logprobs(module, rollout, module._reference),
+        rollout, _ = behaviour_passes(module)(rollout, module.policy, module.reference_policy(), collectives)
+        torch.testing.assert_close(rollout.ref_logp, logprobs(module, rollout, module.reference_policy()),
                                    atol=0, rtol=0)
         assert rollout.old_logp is None and policy_calls == []  # on-policy: no behaviour forward
         update(module, rollout)
@@ -265,7 +265,7 @@ def test_single_update_gradient_equals_recorded_old_logprobs(tmp_path, monkeypat
         # with 2 updates per rollout the passes record exactly these log-probs, with one forward pass
         module.updater.num_minibatches = 2
         rollout.old_logp = None
-        rollout, _ = behaviour_passes(module)(rollout, module.policy, module._reference, collectives)
+        rollout, _ = behaviour_passes(module)(rollout, module.policy, module.reference_policy(), collectives)
         assert policy_calls == [len(rollout)]
         torch.testing.assert_close(rollout.old_logp, logprobs(module, rollout), atol=0, rtol=0)
         module.updater.num_minibatches = 1

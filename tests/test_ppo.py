@@ -99,10 +99,10 @@ def test_ppo_takes_one_sample_per_prompt_and_validates_its_keys():
         make(PPO, kl_in_reward=False, kl_target=0.1)
     # KL in the reward needs a reference but no in-loss term; in the loss, the other way round
     in_reward = make(PPO, kl_coef=0.05)
-    assert in_reward._reference is not None and in_reward.objective.kl_coef == 0.0
+    assert in_reward.reference_policy() is not None and in_reward.objective.kl_coef == 0.0
     in_loss = make(PPO, kl_in_reward=False, kl_coef=0.05)
-    assert in_loss._reference is not None and in_loss.objective.kl_coef == 0.05
-    assert make(PPO, kl_coef=0.0)._reference is None
+    assert in_loss.reference_policy() is not None and in_loss.objective.kl_coef == 0.05
+    assert make(PPO, kl_coef=0.0).reference_policy() is None
 
 
 def test_ppo_refuses_deepspeed_naming_what_works():

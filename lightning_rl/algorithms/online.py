@@ -159,10 +159,23 @@ class OnlineRL(ManualSteps, PolicyModule):
         self.mask_truncated, self.entropy_coef = mask_truncated, entropy_coef
         self.share_prompt_prefix, self.rollout_seed = share_prompt_prefix, rollout_seed
         self.critic: Any = None  # PPO's value model: a second trained model
-        # The reference: the policy as loaded (resuming too), frozen, out of checkpoints and optimisers.
-        needs_reference = self.objective.needs_reference or self.kl_reward is not None
-        self.__dict__["_reference"] = self.policy.reference() if needs_reference else None
+        # The reference: the policy as loaded (resuming too), frozen, out of checkpoints and optimisers; built
+        # for fit only (`setup`), so validate and predict never hold a copy they do not use.
+        self.needs_reference = self.objective.needs_reference or self.kl_reward is not None
+        self.__dict__["_reference"] = None
         self._generation_round = 0
+
+    def setup(self, stage: str) -> None:
+        """``fit``: build the reference now, before Lightning loads a resumed checkpoint's trained weights."""
+        super().setup(stage)
+        if stage == "fit":
+            self.reference_policy()
+
+    def reference_policy(self) -> Any:
+        """The frozen reference (``None`` when no KL term is on), built on first use."""
+        if self._reference is None and self.needs_reference:
+            self.__dict__["_reference"] = self.policy.reference()
+        return self._reference
 
     def reward_stage(self, reward_model: str | None, weight: float, overlong_buffer: int | str | None,
                      overlong_factor: float, trust_remote_code: bool) -> RewardPipeline:
@@ -194,7 +207,7 @@ class OnlineRL(ManualSteps, PolicyModule):
         behaviour = resolve_behaviour(self.behaviour_logp if self.kl_reward is None else "recompute",
                                       self.updater.updates_per_rollout, self.engine)
         passes = LogProbPasses(behaviour, self.sampling.temperature, self.updater.micro_batch_size)
-        rollout, extra = passes(rollout, self.policy, self._reference, collectives)
+        rollout, extra = passes(rollout, self.policy, self.reference_policy(), collectives)
         rollout, excluded = exclude_nonfinite(rollout)
         extra.update(self.correction(rollout))
         rollout, more = self.estimate(rollout, collectives)
