@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import traceback
 from typing import Any
 
 import lightning as L
@@ -30,10 +31,17 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_rl import rank_failures
 from lightning_rl.algorithms.base import PolicyModule
 from lightning_rl.config_errors import SummarizingParser, check_class_paths, summarized
 from lightning_rl.input_checks import InputError
-from lightning_rl.resume import checkpoint_file_problem, newest_checkpoint
+from lightning_rl.resume import (
+    CheckpointWriteError,
+    checkpoint_file_problem,
+    earlier_run_in_folder,
+    naming_the_file,
+    newest_checkpoint,
+)
 
 DEFAULT_LOGGER = {
     "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
@@ -88,7 +96,8 @@ class LightningRLCLI(LightningCLI):
             parser_kwargs={"parser_mode": "omegaconf"},
             parser_class=SummarizingParser,  # config errors end in one line: what, where, closest valid
             trainer_defaults={"logger": DEFAULT_LOGGER},
-            # a rerun into a named version folder replaces its config instead of failing
+            # resumed into a fixed version folder (`--ckpt_path`), a run replaces its config; a rerun
+            # without one is refused before it starts (`lightning_rl.resume.earlier_run_in_folder`)
             save_config_callback=SaveRunConfig,
             save_config_kwargs={"overwrite": True},
             args=args,
@@ -128,6 +137,14 @@ class LightningRLCLI(LightningCLI):
             rank_zero_info(f"`--ckpt_path last`: resuming from {path}")
             self.config_init[self.subcommand]["ckpt_path"] = path
             self.config[self.subcommand]["ckpt_path"] = path  # what config.yaml records
+        if self.subcommand is not None:
+            rank_failures.active["trainer"] = self.trainer  # `main` stops the ranks it launched on a failure
+            resuming = self.config_init[self.subcommand].get("ckpt_path") is not None
+            earlier = None if resuming else earlier_run_in_folder(self.trainer)
+            if earlier is not None:
+                raise ConfigError(earlier)
+            # a full disk says "No space left on device" without the file: name the checkpoint
+            self.trainer.save_checkpoint = naming_the_file(self.trainer.save_checkpoint)
 
 
 def unwrap_jsonargparse(err: BaseException) -> BaseException:
@@ -237,10 +254,34 @@ def main(args: list[str] | None = None) -> None:
     threads = os.environ.get("LRL_NUM_THREADS")
     if threads:
         torch.set_num_threads(int(threads))
+    reports = rank_failures.RankReports()
     try:
         LightningRLCLI(args=args)  # None: LightningCLI reads sys.argv itself
-    except (ConfigError, InputError) as err:  # InputError: the data or model, found setting up fit
+    except (ConfigError, InputError, CheckpointWriteError) as err:  # InputError: the data or model
+        reports.write(str(err))
+        stop_launched_ranks(reports, grace_s=2.0)
         sys.exit(f"lightning-rl: error: {err}")
+    except Exception as err:
+        # a rank whose collective failed because another rank is gone ends with that rank's reason
+        peer = reports.peer_reason(wait_s=10.0) if rank_failures.lost_a_peer(err) else None
+        if peer is None:
+            reports.write(rank_failures.one_line(err))
+        stop_launched_ranks(reports, grace_s=2.0 if peer is None else 15.0)
+        if peer is None:
+            raise
+        traceback.print_exc()
+        sys.exit(f"lightning-rl: error: rank {peer[0]} failed: {peer[1]}")
+    finally:
+        rank_failures.active.pop("trainer", None)
+        reports.close()
+
+
+def stop_launched_ranks(reports: rank_failures.RankReports, grace_s: float) -> None:
+    """In the process that launched the other ranks: they stop (and print) first, so that its own
+    message is the last line of the run's output."""
+    trainer = rank_failures.active.get("trainer")
+    if reports.owner and trainer is not None and trainer.world_size > 1:
+        rank_failures.stop_other_ranks(trainer, grace_s)
 
 
 if __name__ == "__main__":

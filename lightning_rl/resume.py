@@ -112,3 +112,30 @@ def naming_the_file(save: Callable[..., Any]) -> Callable[..., Any]:
             raise failed from err
 
     return save_checkpoint
+
+
+# what an earlier run leaves in its folder: its config and its exports
+EARLIER_RUN = ("config.yaml", "policy", "reward_model", "critic")
+
+
+def earlier_run_in_folder(trainer: Any) -> str | None:
+    """A one-line refusal when the first logger's ``version`` is fixed and its run folder already holds an
+    earlier run (its ``config.yaml`` or an exported model), which this run would replace; else None.
+
+    Only TensorBoard and CSV loggers with a fixed ``version`` are looked at: without one, every run gets
+    a new ``version_N`` folder.
+    """
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    logger = trainer.loggers[0] if trainer.loggers else None
+    if not isinstance(logger, (TensorBoardLogger, CSVLogger)) or logger._version is None:
+        return None
+    folder = logger.log_dir
+    found = [name + ("/" if os.path.isdir(os.path.join(folder, name)) else "") for name in EARLIER_RUN
+             if os.path.exists(os.path.join(folder, name))]
+    if not found:
+        return None
+    return (f"the run folder {folder} already holds an earlier run ({', '.join(found)}) and "
+            f"`trainer.logger.init_args.version` {logger._version!r} points this run at it, which would "
+            "replace them: set another version (or none, for a new version_N folder), move the earlier "
+            "run away, or resume it into this folder with `--ckpt_path`")

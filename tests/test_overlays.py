@@ -19,8 +19,8 @@ ALGORITHMS = ["grpo.yaml", "dpo.yaml"]
 EXPECTED = {
     "ddp.yaml": {"strategy": "ddp"},
     "multinode.yaml": {"strategy": "ddp", "num_nodes": 2},
-    "fsdp2.yaml": {"strategy": {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
-                                "init_args": {"data_parallel_size": 1, "tensor_parallel_size": 1}}},
+    "fsdp2.yaml": {"strategy": {"class_path": "lightning_rl.strategies.FSDP2Strategy",
+                                "init_args": {"data_parallel_size": "auto", "tensor_parallel_size": 1}}},
     "deepspeed_zero2.yaml": {"strategy": {"class_path": "lightning.pytorch.strategies.DeepSpeedStrategy",
                                           "init_args": {"stage": 2}}},
     "deepspeed_zero3.yaml": {"strategy": {"class_path": "lightning.pytorch.strategies.DeepSpeedStrategy",
@@ -102,10 +102,17 @@ def test_fsdp2_overlay_instantiates(tmp_path, algorithm):
     cli = build(tmp_path, algorithm, "fsdp2.yaml")
     strategy = cli.trainer.strategy
     assert isinstance(strategy, ModelParallelStrategy)
-    assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (1, 1)
-    # sized from the command line for more ranks
-    cli = build(tmp_path, algorithm, "fsdp2.yaml", "--trainer.strategy.init_args.data_parallel_size", "4")
-    assert cli.trainer.strategy._data_parallel_size == 4
+    assert strategy.mesh_sizes() == (1, 1)
+    # shards over every rank without a number; only tensor parallelism needs one
+    cli = build(tmp_path, algorithm, "fsdp2.yaml", "--trainer.devices", "2")
+    assert cli.trainer.strategy.mesh_sizes() == (2, 1)
+    cli = build(tmp_path, algorithm, "fsdp2.yaml", "--trainer.devices", "2",
+                "--trainer.strategy.init_args.tensor_parallel_size", "2")
+    assert cli.trainer.strategy.mesh_sizes() == (1, 2)
+    cli = build(tmp_path, algorithm, "fsdp2.yaml", "--trainer.devices", "2",
+                "--trainer.strategy.init_args.data_parallel_size", "4")
+    with pytest.raises(ValueError, match=r"`trainer.strategy.init_args.data_parallel_size` 4 x .* size 2"):
+        cli.trainer.strategy.mesh_sizes()
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ The error paths fail at setup (or at the first save), so they build nothing heav
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import zipfile
@@ -171,3 +172,33 @@ def test_resume_with_another_geometry_when_the_user_opts_in(saved_run, monkeypat
         main(["fit", "--config", str(CONFIGS / "grpo.yaml"), *TINY, "--data.init_args.batch_size", "3",
               "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0", "--ckpt_path", "last",
               "--trainer.logger.init_args.save_dir", str(saved_run / "runs")])
+
+
+# ---- a rerun into a fixed version folder that holds an earlier run ---------------------------------------
+def test_rerun_into_a_fixed_version_folder_with_an_earlier_run_is_refused(tmp_path):
+    earlier = tmp_path / "runs" / "lightning-rl" / "first-try"
+    (earlier / "policy").mkdir(parents=True)
+    (earlier / "config.yaml").write_text("seed_everything: 0\n")
+    (earlier / "policy" / "model.safetensors").write_bytes(b"weights")
+    before = tree_hash(earlier)
+    line = lightning_rl(tmp_path, "--trainer.logger.init_args.version", "first-try")
+    assert f"the run folder {earlier} already holds an earlier run (config.yaml, policy/)" in line, line
+    assert "`trainer.logger.init_args.version` 'first-try'" in line and "--ckpt_path" in line
+    assert tree_hash(earlier) == before
+
+
+# ---- a full disk while a checkpoint is written ------------------------------------------------------------
+def test_full_disk_during_a_checkpoint_save_names_the_file(tmp_path, planted, monkeypatch):
+    import lightning.fabric.plugins.io.torch_io as torch_io
+
+    def full_disk(checkpoint, path):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch_io, "_atomic_save", full_disk)
+    before = tree_hash(planted)
+    line = lightning_rl(tmp_path, "--trainer.max_steps", "1", "--trainer.val_check_interval", "1",
+                        "--trainer.limit_val_batches", "1")
+    target = tmp_path / "runs" / "lightning-rl" / "version_1" / "checkpoints" / "epoch=0-step=1.ckpt"
+    assert f"could not write checkpoint {target}: the disk is full" in line, line
+    assert "No space left on device" in line
+    assert tree_hash(planted) == before
