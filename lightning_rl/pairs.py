@@ -20,7 +20,8 @@ class EncodedPairs:
     Attributes:
         prompt_ids: ``[2B, P]`` long, left-padded (each prompt appears twice).
         prompt_mask: ``[2B, P]`` long 0/1, 1 on real prompt tokens.
-        completion_ids: ``[2B, C]`` long, right-padded; EOS ends each completion unless cut.
+        completion_ids: ``[2B, C]`` long, right-padded; each completion ends at its first EOS, inclusive
+            (unless cut): what a chat template renders after it (ChatML's newline) is not scored.
         completion_mask: ``[2B, C]`` long 0/1, 1 on the completion tokens that are scored.
         prompt_truncated: pairs whose prompt lost tokens on the left (``max_prompt_length``).
         completion_truncated: completions (of the ``2B``) cut on the right (``max_completion_length``).
@@ -98,10 +99,12 @@ def encode_pairs(
     """Tokenise ``B`` pairs into one ``2B``-row batch (chosen rows first) for a single forward pass.
 
     Prompts keep their last ``max_prompt_length`` tokens (cut on the left, so the text nearest the answer
-    stays); completions get EOS appended (unless the chat template already ended the turn with it) and
-    keep their first ``max_completion_length`` tokens. Plain-text prompts are encoded with the
-    tokenizer's special tokens (as ``Policy.encode_prompts`` does for generation); templated text and
-    completions without them.
+    stays); completions end at their first EOS, inclusive (what the chat template renders after the
+    turn's end, such as ChatML's ``\\n`` after ``<|im_end|>``, is dropped: the model stops sampling at
+    EOS, as :func:`lightning_rl.engine.completion_mask` scores the RL step's samples), get EOS appended
+    when they have none, and keep their first ``max_completion_length`` tokens. Plain-text prompts are
+    encoded with the tokenizer's special tokens (as ``Policy.encode_prompts`` does for generation);
+    templated text and completions without them.
     """
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     pad = eos if pad is None else pad
@@ -113,8 +116,7 @@ def encode_pairs(
             p_text, c_text, templated = render_pair(tokenizer, p, c, chat_template)
             p_ids = tokenizer(p_text, add_special_tokens=not templated)["input_ids"]
             c_ids = tokenizer(c_text, add_special_tokens=False)["input_ids"]
-            if eos not in c_ids:
-                c_ids = c_ids + [eos]
+            c_ids = c_ids[: c_ids.index(eos) + 1] if eos in c_ids else c_ids + [eos]
             if side is chosen:  # count each pair's prompt once
                 prompt_cut += len(p_ids) > max_prompt_length
             completion_cut += len(c_ids) > max_completion_length

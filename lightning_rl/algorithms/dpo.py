@@ -1,8 +1,10 @@
 """Direct Preference Optimisation (and IPO, hinge, cDPO / robust DPO, RPO) on preference pairs.
 
 Offline: no generation while training. Each step scores the chosen and the rejected completions of a
-batch in one forward pass (the two halves concatenated on the batch dimension), sums the completion
-tokens' log-probs, and applies ``losses.dpo_loss`` against a frozen reference.
+batch together (the two halves concatenated on the batch dimension), sums the completion tokens'
+log-probs, and applies ``losses.dpo_loss`` against a frozen reference. With ``share_prompt_prefix`` each
+pair's prompt runs through the model once and both completions are scored on its keys and values (the
+online step's prefix sharing for groups, ``TokenScorer.share_prompts``): the same log-probs and gradient.
 
 The reference is ``Policy.reference()``: a frozen copy of the starting model, or the same weights with
 the LoRA adapters disabled when the policy is a PEFT model. The copy is a registered submodule, so
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -25,6 +29,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_rl.algorithms.base import PolicyModule, batch_columns, real_rows
 from lightning_rl.losses import DPO_LOSS_TYPES, DPOLossType, aggregate, dpo_loss
 from lightning_rl.pairs import EncodedPairs, encode_pairs
+from lightning_rl.scoring import is_gradient_checkpointing
+from lightning_rl.sharding import collective_forward
 
 REFERENCE = "reference"
 
@@ -53,7 +59,10 @@ class DPO(PolicyModule):
     Logs ``train/loss``, ``rewards/{chosen,rejected,accuracy,margin}``, ``logps/{chosen,rejected}``
     (mean summed log-prob), ``data/{prompt,completion}_truncated`` (rows cut this step), ``train/nll``
     with RPO; the same under ``val/`` on the held-out pairs, plus greedy ``val/accuracy`` when the rows
-    have an ``answer``.
+    have an ``answer``. Each step also logs rank 0's ``perf/step_time`` (from the batch to after the
+    optimiser step), ``perf/forward_time`` (the policy's scoring pass), ``perf/reference_time`` (the
+    reference's, ~0 when precomputed), ``perf/backward_time`` and ``perf/tokens_per_sec`` (the real
+    prompt + completion tokens of the step's ``2B`` sequences per second of ``perf/step_time``).
 
     Args:
         beta: strength of the implicit KL to the reference (> 0); rewards are ``beta * (logp - ref_logp)``.
@@ -65,6 +74,10 @@ class DPO(PolicyModule):
         precompute_ref_logps: score every train / held-out pair with the reference once before
             training and free a copied reference (needs a DataModule with ``train_rows`` / ``val_rows``).
         disable_dropout: set dropout to 0 so that policy and reference agree at the start (as TRL does).
+        share_prompt_prefix: run each pair's prompt through the model once, for the policy and the
+            reference alike, and score both completions on its keys and values (same log-probs and
+            gradient, to float rounding). Off where the online modules turn it off: forwards that are
+            collectives (FSDP2, ZeRO-3) and gradient checkpointing (which turns the cache off).
         *args, **kwargs: see ``PolicyModule`` (model, optimizer, ``max_prompt_length``,
             ``max_new_tokens`` for greedy validation, ``chat_template``, ``accuracy_fn``).
     """
@@ -79,30 +92,46 @@ class DPO(PolicyModule):
         max_completion_length: int = 64,
         precompute_ref_logps: bool = False,
         disable_dropout: bool = True,
+        share_prompt_prefix: bool = True,
         **kwargs: Any,
     ) -> None:
         _validate(beta, loss_type, label_smoothing, rpo_alpha, max_completion_length)
         super().__init__(*args, **kwargs)
         self.beta, self.loss_type, self.label_smoothing = beta, loss_type, label_smoothing
         self.rpo_alpha, self.max_completion_length = rpo_alpha, max_completion_length
-        self.precompute_ref_logps = precompute_ref_logps
+        self.precompute_ref_logps, self.share_prompt_prefix = precompute_ref_logps, share_prompt_prefix
         if disable_dropout:
             self.policy.disable_dropout()
         self.reference = self.policy.reference()
         self.register_state_dict_post_hook(_drop_reference)
         self.register_load_state_dict_post_hook(_allow_missing_reference)
         self.ref_cache: dict[str, tuple[float, float]] | None = None
+        self.step_perf: dict[str, float] = {}  # this training step's timings, logged at its end
+        self.configure_prefix_sharing()
 
     # ---- setup -------------------------------------------------------------------------------
     def check_prompt_lengths(self) -> None:
         """No-op: DPO cuts long prompts on the left (and counts them) instead of refusing them."""
 
+    def configure_prefix_sharing(self) -> None:
+        """Decide ``share_prompts`` for policy and reference together (as ``OnlineRL`` does): one scoring
+        path for both, so that their log-probs agree exactly while the policy equals the reference."""
+        model = self.policy.model
+        share = (self.share_prompt_prefix and not collective_forward(model)
+                 and not is_gradient_checkpointing(model))
+        self.policy.share_prompts = share
+        if self.reference is not None:
+            self.reference.share_prompts = share
+
     def on_fit_start(self) -> None:
         super().on_fit_start()
+        self.configure_prefix_sharing()  # after configure_model: sharded now where it will be
         self._maybe_precompute()
 
     def on_validation_start(self) -> None:
+        self.configure_prefix_sharing()
         self._maybe_precompute()
+        self.engine.sync_weights(self.policy)  # a CopyEngine samples greedy answers with the current weights
 
     def _maybe_precompute(self) -> None:
         if not self.precompute_ref_logps or self.ref_cache is not None:
@@ -114,9 +143,13 @@ class DPO(PolicyModule):
                 "(e.g. PreferenceDataModule)"
             )
         start = time.perf_counter()
-        self.ref_cache = self.reference_logps_table(
-            list(dm.train_rows) + list(getattr(dm, "val_rows", [])), getattr(dm, "batch_size", 8)
-        )
+        # in the precision the steps score the policy in (bf16-mixed autocasts them): a cache scored in
+        # another precision makes every margin at step 0 float noise instead of 0
+        with self.trainer.precision_plugin.forward_context():
+            table = self.reference_logps_table(list(dm.train_rows), getattr(dm, "batch_size", 8))
+            if getattr(dm, "val_rows", None):
+                table.update(self.held_out_table(dm.val_dataloader()))
+            self.ref_cache = table
         rank_zero_info(
             f"reference log-probs of {len(self.ref_cache)} pairs precomputed in "
             f"{time.perf_counter() - start:.1f}s"
@@ -139,6 +172,20 @@ class DPO(PolicyModule):
             seq = self._reference_forward(self.encode(batch)).tolist()
             n = len(part)
             table.update({k: (seq[i], seq[n + i]) for i, k in enumerate(keys[start : start + n])})
+        return table
+
+    @torch.no_grad()
+    def held_out_table(self, batches: Iterable[dict[str, list]]) -> dict[str, tuple[float, float]]:
+        """:meth:`reference_logps_table` of the held-out pairs, scored in the very batches validation scores
+        the policy in (same padding, same shared prompts): their margins at step 0 are then exactly 0,
+        whatever the kernels do with other batch shapes."""
+        table = {}
+        for batch in batches:
+            batch, _ = real_rows(batch)
+            seq = self._reference_forward(self.encode(batch)).tolist()
+            n = len(batch["prompt"])
+            pairs = zip(batch["prompt"], batch["chosen"], batch["rejected"], strict=True)
+            table.update({pair_key(*pair): (seq[i], seq[n + i]) for i, pair in enumerate(pairs)})
         return table
 
     # ---- scoring -----------------------------------------------------------------------------
@@ -179,11 +226,13 @@ class DPO(PolicyModule):
         self, batch: dict[str, list], enc: EncodedPairs
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The objective of a batch and its metrics (``rewards/*``, ``logps/*``, ``nll`` with RPO)."""
-        logp, _ = self.policy.token_logprobs(
-            enc.prompt_ids, enc.prompt_mask, enc.completion_ids, enc.completion_mask
-        )
+        with self.timed("perf/forward_time"):
+            logp, _ = self.policy.token_logprobs(
+                enc.prompt_ids, enc.prompt_mask, enc.completion_ids, enc.completion_mask
+            )
         seq = logp.sum(-1)  # token_logprobs zeroes padding: only completion tokens count
-        ref = self.reference_logps(batch, enc)
+        with self.timed("perf/reference_time"):
+            ref = self.reference_logps(batch, enc)
         n = len(batch["prompt"])
         loss, metrics = dpo_loss(
             seq[:n], seq[n:], ref[:n], ref[n:], self.beta,
@@ -207,6 +256,8 @@ class DPO(PolicyModule):
         ranks is the mean over all pairs."""
         enc = self.encode(batch)
         loss, metrics = self.pair_loss(batch, enc)
+        if self.step_perf:  # timed (inside a trainer's step): the tokens of perf/tokens_per_sec
+            self.step_perf["tokens"] = float(enc.prompt_mask.sum() + enc.completion_mask.sum())
         n = len(batch["prompt"])
         values = {"train/loss": loss.detach(),
                   **{"train/nll" if k == "nll" else k: v for k, v in metrics.items()},
@@ -217,7 +268,54 @@ class DPO(PolicyModule):
                      prog_bar=name in ("train/loss", "rewards/accuracy"))
         return loss
 
+    # ---- perf/*: one step is on_train_batch_start .. on_train_batch_end (after the optimiser step) -------
+    def clock(self) -> float:
+        """``time.perf_counter()`` once the device's queued work is done (CUDA runs asynchronously)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    @contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        """Add the seconds of the block to ``step_perf[name]`` while a training step is timed (no device
+        synchronisation otherwise: validation is not timed)."""
+        if not self.step_perf:
+            yield
+            return
+        start = self.clock()
+        yield
+        self.step_perf[name] = self.step_perf.get(name, 0.0) + self.clock() - start
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self.step_perf = {"start": self.clock()}
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        self.step_perf["backward_start"] = self.clock()
+
+    def on_after_backward(self) -> None:
+        if "backward_start" in self.step_perf:
+            self.step_perf["perf/backward_time"] = self.clock() - self.step_perf.pop("backward_start")
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        perf, self.step_perf = self.step_perf, {}
+        if "start" not in perf or "tokens" not in perf:
+            return
+        step_time = self.clock() - perf.pop("start")
+        values = {"perf/step_time": step_time, "perf/tokens_per_sec": perf.pop("tokens") / step_time, **perf}
+        for name, value in values.items():  # rank 0's: timings need no all-reduce
+            self.log(name, value, on_step=True, on_epoch=False, batch_size=1)
+
+    # ---- validation ----------------------------------------------------------------------------------
     val_prog_bar = ("val/accuracy", "val/rewards/accuracy", "val/logps/accuracy")
+
+    def on_validation_epoch_end(self) -> None:
+        """Log ``val/*`` at the step printed beside them (``step N: ...``): Lightning's automatic
+        optimisation logs a validation run inside step N at N - 1, before it counts the step."""
+        super().on_validation_epoch_end()
+        trainer = self.trainer
+        if self.automatic_optimization and trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self.log("step", float(self.global_step), batch_size=1)
 
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
         batch, weight = real_rows(batch)
