@@ -211,7 +211,7 @@ def policy_loss(
     Returns:
         ``(loss, metrics)``: ``policy/{approx_kl, ratio_mean}``, the trust region's stats (``clip_frac*`` or
         ``gate_weight_mean``); when ``ref_logp`` is given ``policy/kl_ref`` (the unclamped mean),
-        ``policy/kl_ref_max`` (the largest per-token KL, ``-inf`` without valid tokens) and, with
+        ``policy/kl_ref_max`` (the largest per-token KL, 0 without valid tokens) and, with
         ``kl_clamp``, ``policy/kl_clamp_frac`` (the share of tokens the clamp bit).
     """
     check_shapes("logp", logp, ndim=2, old_logp=old_logp, mask=mask, ref_logp=ref_logp)
@@ -248,8 +248,8 @@ def policy_loss(
             per_token = per_token + kl_coef * term
         detached = kl.detach()
         metrics["policy/kl_ref"] = masked_mean(detached, mask)
-        metrics["policy/kl_ref_max"] = torch.where(mask, detached, -torch.inf).amax() if mask.numel() \
-            else detached.new_tensor(-torch.inf)
+        metrics["policy/kl_ref_max"] = torch.where(mask, detached, -torch.inf).amax() if mask.any() \
+            else detached.new_zeros(())  # every metric stays finite, an all-masked batch's too
         if kl_clamp is not None:
             metrics["policy/kl_clamp_frac"] = masked_mean((detached.abs() > kl_clamp).to(logp.dtype), mask)
     return aggregate(per_token, mask, aggregation, num_tokens=num_tokens, num_seqs=num_seqs), metrics

@@ -69,6 +69,22 @@ def numeric_match(
     return out
 
 
+class FullScore:
+    """Correctness from a reward function: correct where it scores its full score, 1.0 or more (the default
+    correctness of online modules without ``accuracy_fn``: it follows their main reward function)."""
+
+    FULL = 1.0
+
+    def __init__(self, name: str, fn: RewardFn) -> None:
+        self.name, self.fn = name, fn
+
+    def __call__(self, **kwargs: Any) -> list[bool]:
+        return [float(v) >= self.FULL for v in self.fn(**kwargs)]
+
+    def __repr__(self) -> str:
+        return f"{self.name} (correct at its full score, {self.FULL})"
+
+
 class RewardError(RuntimeError):
     """A reward function raised, returned the wrong number of values, or returned NaN."""
 
@@ -106,13 +122,15 @@ class RewardScores:
 
     ``totals[i]`` is the weighted sum over functions, 0.0 where any function failed on sample ``i``;
     ``failed`` holds those samples; ``errors`` one entry per function that failed, in ``fns`` order;
-    ``seconds`` each function's wall time on the batch, in ``fns`` order.
+    ``seconds`` each function's wall time on the batch and ``values`` its values (0.0 where it failed), in
+    ``fns`` order.
     """
 
     totals: list[float]
     failed: frozenset[int]
     errors: list[FunctionErrors]
     seconds: tuple[float, ...] = ()
+    values: tuple[list[float], ...] = ()
 
 
 class RewardScorer:
@@ -184,11 +202,12 @@ class RewardScorer:
         total = [0.0] * n
         failed: set[int] = set()
         errors: list[FunctionErrors] = []
-        seconds = []
+        seconds, per_fn = [], []
         for name, fn, weight in zip(self.names, self.fns, self.weights, strict=True):
             start = time.perf_counter()
             values, bad = self._one(name, fn, prompts, completions, columns)
             seconds.append(time.perf_counter() - start)
+            per_fn.append(values)
             total = [t + weight * v for t, v in zip(total, values, strict=True)]
             if bad:
                 i = max(bad)
@@ -196,7 +215,7 @@ class RewardScorer:
                 errors.append(FunctionErrors(name, len(bad), n, last))
                 failed.update(bad)
         totals = [0.0 if i in failed else t for i, t in enumerate(total)]
-        return RewardScores(totals, frozenset(failed), errors, tuple(seconds))
+        return RewardScores(totals, frozenset(failed), errors, tuple(seconds), tuple(per_fn))
 
     def _one(
         self, name: str, fn: RewardFn, prompts: Sequence[Any], completions: Sequence[str], columns: dict
@@ -362,8 +381,13 @@ class RewardPipeline:
             penalty = factor * torch.tensor(overlong_reward(lengths, max_len, buffer), dtype=torch.float32)
             rewards = rewards + penalty
         correctness_start = time.perf_counter()
-        correct = torch.tensor([bool(c) for c in self.correctness_fn(prompts=prompts, completions=texts,
-                                                                   **columns)], dtype=torch.bool)
+        if isinstance(self.correctness_fn, FullScore) and self.scorer is not None \
+                and self.correctness_fn.name in self.scorer.names:  # the scores just computed, not a 2nd call
+            values = scores.values[self.scorer.names.index(self.correctness_fn.name)]
+            correct = torch.tensor([v >= FullScore.FULL for v in values], dtype=torch.bool)
+        else:
+            correct = torch.tensor([bool(c) for c in self.correctness_fn(prompts=prompts, completions=texts,
+                                                                       **columns)], dtype=torch.bool)
         self.timed(self.correctness_part, time.perf_counter() - correctness_start)
         stats = {"rollout/reward_errors": float(len(scores.failed)),
                  "rollout/overlong_penalty_mean": float(penalty.mean()) if len(penalty) else 0.0,

@@ -380,3 +380,22 @@ def test_validate_and_predict_build_no_reference_fit_does(tmp_path):
     make_trainer(tmp_path).fit(module, datamodule())
     assert module._reference is not None and not module._reference.shares_weights
     assert make(kl_coef=0.0).reference_policy() is None
+
+
+CALLS = []
+
+
+def counting_match(completions, answer, **_):
+    CALLS.append(len(completions))
+    return [float(c.strip() == a) for c, a in zip(completions, answer, strict=True)]
+
+
+def test_correctness_from_the_main_reward_reuses_its_scores():
+    """The rewards stage scores each function once per batch: correctness that follows the main reward reads
+    its values instead of calling it again."""
+    from helpers import make
+
+    module = make(reward_fns=["test_online_behaviour:counting_match"])
+    CALLS.clear()
+    result = module.reward_pipeline(["q", "q"], ["12", "13"], [2, 2], {"answer": ["12", "12"]})
+    assert CALLS == [2] and result.correct.tolist() == [True, False]

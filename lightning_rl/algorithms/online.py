@@ -31,7 +31,7 @@ from lightning_rl.losses import Aggregation, KLEstimator, RatioLevel, TrustRegio
 from lightning_rl.objective import Objective
 from lightning_rl.prompts import batch_columns, render_prompts
 from lightning_rl.reward_model import RewardModelScorer
-from lightning_rl.rewards import RewardPipeline, RewardScorer, import_reward, overlong_shaping
+from lightning_rl.rewards import FullScore, RewardPipeline, RewardScorer, import_reward, overlong_shaping
 from lightning_rl.rollout import Rollout, exclude_nonfinite, merge_stats
 from lightning_rl.tools import HermesFormat
 from lightning_rl.update import TrainedModel, Updater
@@ -146,8 +146,8 @@ class OnlineRL(ManualSteps, PolicyModule):
         self.rewards = RewardScorer(functions, reward_weights, on_reward_error, max_reward_error_frac) \
             if functions is not None else None
         if kwargs.get("accuracy_fn") is None and self.rewards is not None:  # follow the main reward function
-            name, fn = main_reward(self.rewards)
-            self.accuracy_fn, self.accuracy_name = full_score(fn), f"{name} (correct at its full score, 1.0)"
+            self.accuracy_fn = main_reward(self.rewards)
+            self.accuracy_name = repr(self.accuracy_fn)
         self.correctness_fn = import_reward(correctness_fn) if correctness_fn else self.accuracy_fn
         remote = kwargs.get("trust_remote_code", False)
         self.reward_pipeline = self.reward_stage(reward_model, reward_model_weight, overlong_buffer,
@@ -327,18 +327,10 @@ class OnlineRL(ManualSteps, PolicyModule):
         self.log_val_mean("val/reward_mean", torch.tensor(done.with_returns(rewards.tolist())).mean(), weight)
 
 
-def main_reward(scorer: RewardScorer) -> tuple[str, Any]:
-    """The first reward function of the largest weight: its name and the function."""
+def main_reward(scorer: RewardScorer) -> FullScore:
+    """Correctness by the first reward function of the largest weight, at its full score."""
     best = max(range(len(scorer.fns)), key=lambda i: (scorer.weights[i], -i))
-    return scorer.names[best], scorer.fns[best]
-
-
-def full_score(fn: Any) -> Any:
-    """A correctness function from a reward function: correct where it scores 1.0 or more."""
-    def correct(**kwargs: Any) -> list[bool]:
-        return [float(v) >= 1.0 for v in fn(**kwargs)]
-
-    return correct
+    return FullScore(scorer.names[best], scorer.fns[best])
 
 
 def check_keys(num_generations: int, advantage: AdvantageEstimator, entropy_coef: float, temperature: float,
