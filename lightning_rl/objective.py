@@ -65,7 +65,7 @@ class Objective:
     aggregation: Aggregation = "seq-mean-token-mean"
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = "k3"
-    kl_clamp: float | None = 10.0
+    kl_clamp: float | None = None
 
     def __post_init__(self) -> None:
         choices = {

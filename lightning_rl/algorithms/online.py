@@ -70,8 +70,9 @@ class OnlineRL(ManualSteps, PolicyModule):
         ppo_epochs, num_minibatches, micro_batch_size, max_grad_norm: the updater (``lightning_rl.update``).
         ratio_level, trust_region, clip_low, clip_high, clip_ratio_c, tau_pos, tau_neg, aggregation,
             kl_coef, kl_estimator: the objective axes, see :class:`lightning_rl.objective.Objective`.
-        kl_clamp: the per-token KL term in the loss is clamped to ``[-kl_clamp, kl_clamp]`` (``null``: off);
-            ``policy/kl_clamp_frac`` says how often it bites, ``policy/kl_ref_max`` the largest per-token KL.
+        kl_clamp: the per-token KL term in the loss is clamped to ``[-kl_clamp, kl_clamp]`` (``null``, the
+            default: off; verl clamps its low-variance KL at 10); ``policy/kl_clamp_frac`` says how often it
+            bites, ``policy/kl_ref_max`` the largest per-token KL (logged whenever a reference is scored).
         kl_in_reward, kl_target, kl_horizon: the KL to the reference as a per-token reward penalty
             (``kl_coef``, ``kl_estimator``) instead of the loss term, optionally adaptive
             (``lightning_rl.estimators.KLInReward``).
@@ -111,7 +112,7 @@ class OnlineRL(ManualSteps, PolicyModule):
         trust_region: TrustRegion = "clip", clip_low: float = 0.2, clip_high: float = 0.2,
         clip_ratio_c: float | None = None, tau_pos: float = 1.0, tau_neg: float = 1.05,
         aggregation: Aggregation = "seq-mean-token-mean", kl_coef: float = 0.0,
-        kl_estimator: KLEstimator = "k3", kl_clamp: float | None = 10.0, kl_in_reward: bool = False,
+        kl_estimator: KLEstimator = "k3", kl_clamp: float | None = None, kl_in_reward: bool = False,
         kl_target: float | None = None, kl_horizon: int = 10000, entropy_coef: float = 0.0,
         share_prompt_prefix: bool = True,
         rollout_seed: int = 0, environment: Environment | None = None, tools: list[str] | None = None,
