@@ -91,6 +91,15 @@ def start_deepspeed_micro_batch(engine: Any, boundary: bool) -> None:
     engine.set_gradient_accumulation_boundary(boundary)
 
 
+def prompt_sharing(wanted: bool, model: nn.Module) -> bool:
+    """Whether scoring may run each distinct prompt once (``share_prompt_prefix``): not where forwards are
+    collectives (their count would depend on each rank's data), nor under gradient checkpointing (which
+    turns the cache off). The policy and its reference are set alike, so their log-probs agree exactly."""
+    from lightning_rl.scoring import is_gradient_checkpointing
+
+    return wanted and not collective_forward(model) and not is_gradient_checkpointing(model)
+
+
 def collective_forward(model: nn.Module) -> bool:
     """Whether each forward of ``model`` is a collective (FSDP2 or ZeRO-3 gather weights from every rank)."""
     return is_sharded(model) or zero3_partitioned(model)

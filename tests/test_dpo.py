@@ -29,13 +29,7 @@ METRICS = ["rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/ma
            "logps/rejected"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("seeded_one_thread")
 
 
 def make_dpo(**kwargs) -> DPO:

@@ -11,7 +11,7 @@ import torch
 from helpers import CONFIGS, run_cli, scalars
 from test_dpo import PAIRS, as_batch, logps_by_hand, make_dpo, perturb
 
-import lightning_rl.algorithms.dpo as dpo_module
+import lightning_rl.sharding as sharding
 from lightning_rl.algorithms import DPO
 from lightning_rl.data.preference import BUILTIN_TRAIN, BUILTIN_VAL
 from lightning_rl.engine import CopyEngine
@@ -29,13 +29,7 @@ LONG_PAIRS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("seeded_one_thread")
 
 
 def decoder_inputs(model: torch.nn.Module) -> tuple[list[torch.Size], object]:
@@ -103,7 +97,7 @@ def test_prefix_sharing_is_off_where_the_online_step_turns_it_off(monkeypatch):
     assert not checkpointed.policy.share_prompts and not checkpointed.reference.share_prompts
     dpo = make_dpo()
     assert dpo.policy.share_prompts and dpo.reference.share_prompts
-    monkeypatch.setattr(dpo_module, "collective_forward", lambda model: True)  # FSDP2 / ZeRO-3
+    monkeypatch.setattr(sharding, "collective_forward", lambda model: True)  # FSDP2 / ZeRO-3
     dpo.configure_prefix_sharing()
     assert not dpo.policy.share_prompts and not dpo.reference.share_prompts
 

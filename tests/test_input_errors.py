@@ -45,12 +45,7 @@ def slow_reward(completions, **_):
     return [0.0] * len(completions)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:

@@ -15,7 +15,6 @@ from pathlib import Path
 import huggingface_hub
 import lightning as L
 import pytest
-import torch
 
 from lightning_rl.algorithms import SFT
 from lightning_rl.data import PreferenceDataModule, PromptDataModule
@@ -26,12 +25,7 @@ PAIRS = [{"prompt": f"{i}{i + 1}=", "chosen": f"{i}{i + 1}", "rejected": f"{i + 
 PROMPTS = [{"prompt": f"{i}{i + 1}=", "answer": f"{i}{i + 1}"} for i in range(1, 9)]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture()

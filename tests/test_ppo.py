@@ -26,12 +26,7 @@ from lightning_rl.losses import (
 HERE = Path(__file__).parent
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- maths ------------------------------------------------------------------------------------------------

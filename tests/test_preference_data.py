@@ -6,7 +6,6 @@ import json
 
 import datasets
 import pytest
-import torch
 
 from lightning_rl.data import SortTask
 from lightning_rl.data.preference import (
@@ -32,12 +31,7 @@ TEMPLATE = (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture()

@@ -30,13 +30,7 @@ F64 = torch.float64
 VAL_ROWS = [json.loads(line) for line in BUILTIN_VAL.read_text().splitlines()]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("seeded_one_thread")
 
 
 def t(x):

@@ -29,8 +29,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_rl.algorithms.base import PolicyModule, batch_columns, real_rows
 from lightning_rl.losses import DPO_LOSS_TYPES, DPOLossType, aggregate, dpo_loss
 from lightning_rl.pairs import EncodedPairs, encode_pairs
-from lightning_rl.scoring import is_gradient_checkpointing
-from lightning_rl.sharding import collective_forward
+from lightning_rl.sharding import prompt_sharing
 
 REFERENCE = "reference"
 
@@ -116,9 +115,7 @@ class DPO(PolicyModule):
     def configure_prefix_sharing(self) -> None:
         """Decide ``share_prompts`` for policy and reference together (as ``OnlineRL`` does): one scoring
         path for both, so that their log-probs agree exactly while the policy equals the reference."""
-        model = self.policy.model
-        share = (self.share_prompt_prefix and not collective_forward(model)
-                 and not is_gradient_checkpointing(model))
+        share = prompt_sharing(self.share_prompt_prefix, self.policy.model)
         self.policy.share_prompts = share
         if self.reference is not None:
             self.reference.share_prompts = share

@@ -19,13 +19,12 @@ import torch
 from lightning_rl.adapters import trainable_parameters
 from lightning_rl.metrics import StepMetrics
 from lightning_rl.rollout import Rollout, rollout_stats
-from lightning_rl.scoring import is_gradient_checkpointing
 from lightning_rl.sharding import (
-    collective_forward,
     deepspeed_engine,
     full_value,
     is_sharded,
     no_gradient_sync,
+    prompt_sharing,
     shard_policy_model,
     start_deepspeed_micro_batch,
     strategy_is,
@@ -74,11 +73,7 @@ class ManualSteps:
         self.policy.disable_dropout()  # log-probs must match what sampling saw
         if self.critic is not None:
             self.critic.train()
-        # one forward per distinct prompt in scoring; off where forwards are collective (their count would
-        # depend on each rank's data) and under gradient checkpointing (which turns the cache off)
-        model = self.policy.model
-        share = (self.share_prompt_prefix and not collective_forward(model)
-                 and not is_gradient_checkpointing(model))
+        share = prompt_sharing(self.share_prompt_prefix, self.policy.model)
         self.policy.share_prompts = share
         if self._reference is not None:
             self._reference.share_prompts = share
