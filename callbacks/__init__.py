@@ -8,6 +8,7 @@ if __name__ != "lightning_rl.callbacks":
     )
 
 from lightning_rl.callbacks.base import RLCallback  # noqa: E402
+from lightning_rl.callbacks.checkpoints import Checkpoints  # noqa: E402
 from lightning_rl.callbacks.export import ExportPolicy  # noqa: E402
 from lightning_rl.callbacks.geometry import BatchGeometry  # noqa: E402
 from lightning_rl.callbacks.interrupt import CheckpointOnInterrupt  # noqa: E402
@@ -18,6 +19,7 @@ from lightning_rl.callbacks.steps import LogAtOptimizerStep, StepProgressBar  # 
 __all__ = [
     "BatchGeometry",
     "CheckpointOnInterrupt",
+    "Checkpoints",
     "ExportPolicy",
     "LogAtOptimizerStep",
     "LogSamples",

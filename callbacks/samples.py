@@ -101,6 +101,9 @@ class LogSamples(RLCallback):
     """Write a few samples as a Markdown table to TensorBoard's Text tab: ``samples/train`` every
     ``log_samples_every_n_steps`` rollouts (the first one included), ``samples/val`` at each validation.
 
+    Prompts show as the model saw them in both tables: rendered through the chat template (when the
+    module uses one) and decoded without special tokens.
+
     Train rows come from the step's rollout (one sample per prompt first, so different prompts show),
     with the rollout's rewards (shaped, as trained on) and correctness. Validation rows are the first
     ``num_samples`` greedy completions of the first validation batch, scored with the module's
@@ -169,6 +172,6 @@ class LogSamples(RLCallback):
         returns = outputs.get("returns")
         if returns is not None:  # episodes: the environment's rewards too
             rewards = [r + float(e) for r, e in zip(rewards, returns[:k], strict=True)]
-        table = markdown_table(prompts, completions, rewards, list(outputs["correct"][:k]), self.max_chars,
-                               columns.get("turns"))
+        table = markdown_table(pl_module.shown_prompts(prompts), completions, rewards,
+                               list(outputs["correct"][:k]), self.max_chars, columns.get("turns"))
         self.write(trainer, "samples/val", table)

@@ -19,9 +19,11 @@ is the default logger. ``--ckpt_path last`` resumes the newest checkpoint of the
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import sys
 import traceback
+import warnings
 from typing import Any
 
 import lightning as L
@@ -248,9 +250,28 @@ def find_last_checkpoint(trainer: L.Trainer) -> str:
     return found
 
 
+class DropLightningTips(logging.Filter):
+    """Drops Lightning's "💡 Tip: ... try installing litlogger / litmodels" lines (advertising, printed
+    because every run has a logger and a checkpoint callback); Lightning's other lines pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip:")
+
+
+def quiet_startup() -> None:
+    """Silence what startup printed that is neither ours nor actionable: Lightning's tips, and the
+    deprecation torch 2.13 raises inside Lightning's own pytree code (``LeafSpec``) on every step.
+    Real warnings (a config, data or version problem) still print."""
+    for handler in logging.getLogger("lightning.pytorch").handlers:
+        if not any(isinstance(f, DropLightningTips) for f in handler.filters):
+            handler.addFilter(DropLightningTips())
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+
+
 def main(args: list[str] | None = None) -> None:
     """Console entry point. ``LRL_NUM_THREADS`` sets torch's CPU threads (1 is often fastest for tiny
     models)."""
+    quiet_startup()
     threads = os.environ.get("LRL_NUM_THREADS")
     if threads:
         torch.set_num_threads(int(threads))

@@ -116,13 +116,13 @@ def load_critic(
     ``source`` may be ``None`` (the policy's weights), ``builtin:tiny-sort``, a local folder or a hub id
     of any model ``AutoModelForTokenClassification`` can build (a causal LM, a reward model, a critic),
     loaded by :func:`~lightning_rl.models.load_pretrained` (a missing folder or an unreachable hub fails at
-    once, naming ``key``). ``dtype`` None keeps the checkpoint's dtype.
+    once, naming ``key``). ``dtype`` None: the policy's dtype, whatever the checkpoint holds (a bf16
+    critic beside a float32 policy would train without a float32 master copy).
     """
     if source is None:
         return critic_from_policy(policy)
-    kwargs: dict[str, Any] = {"num_labels": 1, "trust_remote_code": trust_remote_code}
-    if dtype is not None:
-        kwargs["dtype"] = torch_dtype(dtype, key)
+    kwargs: dict[str, Any] = {"num_labels": 1, "trust_remote_code": trust_remote_code,
+                              "dtype": policy.model.dtype if dtype is None else torch_dtype(dtype, key)}
 
     def load(path: str, offline: bool) -> tuple[nn.Module, dict[str, Any]]:
         return AutoModelForTokenClassification.from_pretrained(

@@ -103,3 +103,26 @@ def test_grpo_config_learns(tmp_path):
     assert acc[-1] >= 0.66, acc
     rewards = [v for _, v in sorted(logged["rollout/reward_mean"])]
     assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10, "training reward should rise"
+
+
+def test_startup_drops_lightnings_tips_and_its_torch_deprecation_only(tmp_path):
+    """``main`` silences Lightning's litlogger / litmodels tips and the ``LeafSpec`` deprecation torch 2.13
+    raises inside Lightning's pytree code; Lightning's other lines and other warnings still print."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, warnings, torch, lightning as L\n"
+        "from lightning.pytorch.loggers import TensorBoardLogger\n"
+        "from lightning.pytorch.utilities import _pytree\n"
+        "from lightning_rl.cli import quiet_startup\n"
+        "if sys.argv[1] == 'quiet': quiet_startup()\n"
+        "L.Trainer(accelerator='cpu', logger=TensorBoardLogger(sys.argv[2]), enable_checkpointing=False)\n"
+        "_pytree._tree_flatten({'a': torch.ones(1)})\n"
+        "warnings.warn('a real warning', stacklevel=1)\n"
+    )
+    err = {mode: subprocess.run([sys.executable, "-c", script, mode, str(tmp_path)], capture_output=True,
+                                text=True, timeout=120, check=True).stderr for mode in ("loud", "quiet")}
+    assert "Tip:" in err["loud"] and "LeafSpec" in err["loud"]  # what Lightning prints by itself
+    assert "Tip:" not in err["quiet"] and "LeafSpec" not in err["quiet"]
+    assert "GPU available" in err["quiet"] and "a real warning" in err["quiet"]

@@ -33,7 +33,11 @@ pytestmark = pytest.mark.usefixtures("seeded_one_thread")
 
 
 def make_dpo(**kwargs) -> DPO:
-    return DPO(model="builtin:tiny-sort", max_prompt_length=16, max_completion_length=10, **kwargs)
+    """A DPO module whose reference is built now, from the loaded model (as ``setup`` builds it for
+    fit / validate), so that tests may move the policy away from it."""
+    dpo = DPO(model="builtin:tiny-sort", max_prompt_length=16, max_completion_length=10, **kwargs)
+    assert dpo.reference is not None
+    return dpo
 
 
 def perturb(model: torch.nn.Module, scale: float = 0.05) -> None:
@@ -145,6 +149,27 @@ def test_reference_is_moved_but_never_saved():
                            ref_weights["model.lm_head.weight"])
     dpo.to(torch.float64)  # registered: casts and device moves follow the module
     assert all(p.dtype == torch.float64 for p in dpo.reference.parameters())
+
+
+def test_only_fit_and_validate_build_the_reference(tmp_path):
+    """``predict`` only generates: it holds no reference copy (it built one before, twice the weights in
+    memory); ``validate`` scores implicit rewards against the reference, so it builds it in ``setup``."""
+    import lightning as L
+
+    from lightning_rl.data import PreferenceDataModule, PromptDataModule
+
+    def trainer():
+        return L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_predict_batches=1, limit_val_batches=1,
+                         default_root_dir=str(tmp_path))
+
+    dpo = DPO(model="builtin:tiny-sort", max_prompt_length=16, max_completion_length=10)
+    weights = sum(p.numel() for p in dpo.policy.parameters())
+    trainer().predict(dpo, datamodule=PromptDataModule(max_val_rows=2, val_batch_size=2))
+    assert sum(p.numel() for p in dpo.parameters()) == weights
+    (metrics,) = trainer().validate(dpo, datamodule=PreferenceDataModule(max_val_rows=4))
+    assert sum(p.numel() for p in dpo.parameters()) == 2 * weights  # the frozen copy
+    assert metrics["val/rewards/margin"] == 0.0  # the policy is the reference: every margin is 0
 
 
 def test_lora_reference_is_the_policy_with_adapters_off(monkeypatch):

@@ -112,3 +112,14 @@ def test_keep_logits_asks_for_the_last_positions_only():
     assert keep_logits(model, 3) == {"logits_to_keep": 3}
     assert model(torch.randint(4, 20, (2, 5)), **keep_logits(model, 3)).logits.shape[1] == 3
     assert keep_logits(model.model, 3) == {}  # the decoder alone has no LM head
+
+
+def test_a_loaded_critic_takes_the_policy_dtype_not_the_checkpoint_s(tmp_path):
+    """A critic folder saved in bf16 beside a float32 policy loads as float32 (it kept bf16 before, and
+    trained without a float32 master copy); ``dtype`` set explicitly still wins."""
+    policy = load_policy("builtin:tiny-sort")
+    saved = load_policy("builtin:tiny-sort")
+    saved.model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    saved.tokenizer.save_pretrained(tmp_path / "bf16")
+    assert load_critic(str(tmp_path / "bf16"), policy).model.dtype == torch.float32
+    assert load_critic(str(tmp_path / "bf16"), policy, dtype="bfloat16").model.dtype == torch.bfloat16

@@ -198,7 +198,7 @@ def test_full_disk_during_a_checkpoint_save_names_the_file(tmp_path, planted, mo
     before = tree_hash(planted)
     line = lightning_rl(tmp_path, "--trainer.max_steps", "1", "--trainer.val_check_interval", "1",
                         "--trainer.limit_val_batches", "1")
-    target = tmp_path / "runs" / "lightning-rl" / "version_1" / "checkpoints" / "epoch=0-step=1.ckpt"
+    target = tmp_path / "runs" / "lightning-rl" / "version_1" / "checkpoints" / "last.ckpt"
     assert f"could not write checkpoint {target}: the disk is full" in line, line
     assert "No space left on device" in line
     assert tree_hash(planted) == before

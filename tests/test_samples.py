@@ -153,3 +153,27 @@ def test_shipped_config_logs_samples(tmp_path):
     assert [s for s, _ in logged["samples/train"]] == [0] and [s for s, _ in logged["samples/val"]] == [1]
     assert len(logged["samples/train"][0][1].splitlines()) == 2 + 4  # num_samples: 4 (2 prompts x 2)
 
+
+
+def test_train_and_val_tables_show_a_prompt_alike(tmp_path):
+    """Both tables show a chat prompt as the model saw it: rendered through the template (the validation
+    table once showed the raw messages, ``[{'role': 'system', ...}]``)."""
+    import json
+
+    from test_online_behaviour import templated_model
+
+    from lightning_rl.data import PromptDataModule
+
+    messages = [{"role": "system", "content": "sort"}, {"role": "user", "content": "321="}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"prompt": messages, "answer": "123"}) + "\n" for _ in range(4)))
+    module = make(model=templated_model(tmp_path), chat_template=True, max_prompt_length=40,
+                  num_generations=2)
+    trainer = make_trainer(tmp_path, max_steps=1, logger=TensorBoardLogger(str(tmp_path), name="run"),
+                           callbacks=[LogSamples(log_samples_every_n_steps=1, num_samples=2)],
+                           limit_val_batches=1, val_check_interval=1, check_val_every_n_epoch=None)
+    trainer.fit(module, PromptDataModule(path=str(path), val_path=str(path), batch_size=2))
+    logged = texts(tmp_path)
+    cells = [row.split(" | ")[0].removeprefix("| ") for tag in ("samples/train", "samples/val")
+             for row in logged[tag][0][1].splitlines()[2:]]
+    assert cells == ["&lt;system&gt;sort&lt;user&gt;321=&lt;assistant&gt;"] * 4

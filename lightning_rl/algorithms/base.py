@@ -62,7 +62,8 @@ class PolicyModule(L.LightningModule):
 
     Args:
         model: hub id, local ``save_pretrained`` folder, or ``builtin:tiny-sort`` / ``builtin:tiny-scratch``.
-        dtype: weights dtype (``float32``, ``bfloat16``, ``float16``, ``auto``); ``None`` keeps the saved one.
+        dtype: weights dtype (``float32``, ``bfloat16``, ``float16``, ``auto``); ``None`` loads float32
+            whatever the checkpoint holds, ``auto`` keeps the checkpoint's.
         trust_remote_code: allow model code from the hub (off by default).
         gradient_checkpointing: trade compute for memory in the policy's forward pass.
         chat_template: render plain-string prompts with the tokenizer's chat template.
@@ -255,17 +256,23 @@ class PolicyModule(L.LightningModule):
 
     def configure_callbacks(self) -> list[L.Callback]:
         """What every run gets unless the user configured the same callback: the final policy's export, a
-        checkpoint on Ctrl-C / SIGTERM, logging at optimiser steps, and Lightning's stock progress bar
-        swapped for one that counts optimiser steps (a progress bar of another class is left alone)."""
+        checkpoint on Ctrl-C / SIGTERM, logging at optimiser steps, and Lightning's stock progress bar and
+        checkpoint callback swapped for one that counts optimiser steps and for :class:`Checkpoints` (one
+        ``last.ckpt``; a checkpoint callback or progress bar configured by the user is left alone)."""
         from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
         from lightning_rl import callbacks as cbs
+        from lightning_rl.callbacks.checkpoints import is_stock_model_checkpoint
 
         wanted = [cbs.ExportPolicy(), cbs.CheckpointOnInterrupt(), cbs.LogAtOptimizerStep()]
         wanted.append(cbs.BatchGeometry())  # a resume with another batch size / G / world size is refused
         if self.trainer.predicting:  # predict writes its rows (the CLI adds one, set by `--predictions.*`)
             wanted.append(cbs.WritePredictions())
         callbacks = [cb for cb in wanted if not has_callback(self.trainer, type(cb))]
+        stock = [cb for cb in self.trainer.checkpoint_callbacks if is_stock_model_checkpoint(cb)]
+        if stock and len(self.trainer.checkpoint_callbacks) == 1:  # Lightning's default: our policy instead
+            self.trainer.callbacks.remove(stock[0])
+            callbacks.append(cbs.Checkpoints())
         bar = self.trainer.progress_bar_callback
         if type(bar) in (TQDMProgressBar, RichProgressBar):
             # removed here rather than overridden by type, which only covers subclasses (Rich is the default)
@@ -299,6 +306,11 @@ class PolicyModule(L.LightningModule):
     def decode(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[str]:
         ids = completion_ids.masked_fill(completion_mask == 0, self.policy.pad_token_id)
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+    def shown_prompts(self, prompts: Sequence[Any]) -> list[str]:
+        """Prompts as the model sees them, as text: rendered (chat template), cut to ``max_prompt_length``
+        and decoded like a rollout's prompt ids, so train and validation sample tables show them alike."""
+        return self.decode(*self.encode_prompts(prompts))
 
     def sampling_params(self, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                         do_sample: bool = True) -> SamplingParams:

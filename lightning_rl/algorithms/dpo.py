@@ -9,10 +9,10 @@ online step's prefix sharing for groups, ``TokenScorer.share_prompts``): the sam
 The reference is ``Policy.reference()``: a frozen copy of the starting model, or the same weights with
 the LoRA adapters disabled when the policy is a PEFT model. The copy is a registered submodule, so
 ``.to()`` / precision casts move it with the policy, but a state-dict hook keeps its weights out of
-``state_dict()`` and hence out of checkpoints: it is rebuilt from ``model`` when the module is built,
-which is also what a resumed run needs (the reference is the *starting* model, not the checkpointed
-one). With ``precompute_ref_logps`` the reference scores every train and held-out pair once before
-training, and a copied reference is then freed.
+``state_dict()`` and hence out of checkpoints: it is built from ``model`` in ``setup`` for ``fit`` and
+``validate``, before a checkpoint's weights load, which is what a resumed run needs (the reference is the
+*starting* model, not the checkpointed one); ``predict`` builds none. With ``precompute_ref_logps`` the
+reference scores every train and held-out pair once before training, and a copied reference is then freed.
 """
 
 from __future__ import annotations
@@ -101,7 +101,6 @@ class DPO(PolicyModule):
         self.precompute_ref_logps, self.share_prompt_prefix = precompute_ref_logps, share_prompt_prefix
         if disable_dropout:
             self.policy.disable_dropout()
-        self.reference = self.policy.reference()
         self.register_state_dict_post_hook(_drop_reference)
         self.register_load_state_dict_post_hook(_allow_missing_reference)
         self.ref_cache: dict[str, tuple[float, float]] | None = None
@@ -109,6 +108,21 @@ class DPO(PolicyModule):
         self.configure_prefix_sharing()
 
     # ---- setup -------------------------------------------------------------------------------
+    @property
+    def reference(self) -> Any:
+        """The frozen reference, built on first use (``None`` once a precomputed cache freed it)."""
+        if REFERENCE not in self._modules:
+            self.reference = self.policy.reference()  # a registered submodule: moved with the policy
+            self.configure_prefix_sharing()
+        return self._modules[REFERENCE]
+
+    def setup(self, stage: str) -> None:
+        """``fit`` / ``validate``: build the reference now, before Lightning loads a checkpoint's trained
+        weights into the policy (``predict`` only generates: it builds no copy)."""
+        super().setup(stage)
+        if stage in ("fit", "validate"):
+            self.reference  # noqa: B018 (built by the property)
+
     def check_prompt_lengths(self) -> None:
         """No-op: DPO cuts long prompts on the left (and counts them) instead of refusing them."""
 
@@ -117,8 +131,8 @@ class DPO(PolicyModule):
         path for both, so that their log-probs agree exactly while the policy equals the reference."""
         share = prompt_sharing(self.share_prompt_prefix, self.policy.model)
         self.policy.share_prompts = share
-        if self.reference is not None:
-            self.reference.share_prompts = share
+        if self._modules.get(REFERENCE) is not None:  # not built yet: the property calls this again
+            self._modules[REFERENCE].share_prompts = share
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
