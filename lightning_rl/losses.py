@@ -6,11 +6,11 @@ completion tokens under the current / behaviour / reference policy; ``mask`` is 
 ``(loss, metrics)``: a differentiable scalar to minimise and a dict of detached scalar tensors.
 
 One implementation of every policy objective: :func:`policy_loss`, a point on four axes, each a
-registry: the ratio level (:data:`RATIO_LEVELS`, here), the trust region (:data:`TRUST_REGIONS`, in
-:mod:`lightning_rl.trust_regions`), the aggregation (:data:`AGGREGATORS`) and a KL-to-reference term
-(:func:`~lightning_rl.advantages.kl_penalty`). The contract losses (``ppo_policy_loss``, ``grpo_loss``,
-``gspo_loss``, ``dapo_loss``, ``sapo_loss``) are thin presets of it, and training reaches it through
-:class:`lightning_rl.objective.Objective`.
+registry: the ratio level (:data:`RATIO_LEVELS`, in :mod:`lightning_rl.ratio_levels`), the trust region
+(:data:`TRUST_REGIONS`, in :mod:`lightning_rl.trust_regions`), the aggregation (:data:`AGGREGATORS`) and
+a KL-to-reference term (:func:`~lightning_rl.advantages.kl_penalty`). The contract losses
+(``ppo_policy_loss``, ``grpo_loss``, ``gspo_loss``, ``dapo_loss``, ``sapo_loss``) are thin presets of it, and
+training reaches it through :class:`lightning_rl.objective.Objective`.
 
 To add a trust region: write a function in :mod:`lightning_rl.trust_regions` that takes the common
 inputs as keywords, ``logp``, ``log_ratio``, ``adv``, ``mask`` (all ``[B, T]``; ``logp`` differentiable
@@ -25,14 +25,14 @@ k3 of the ratio, ``mean((r - 1) - log r)``: KL(pi_old || pi_theta), >= 0, lower 
 ``num_tokens`` / ``num_seqs`` are the whole minibatch's normalisers (micro-batching, see
 :mod:`lightning_rl.aggregation`). Padded log-ratios and log-probs are zeroed before any trust region sees
 them, so garbage (even inf/NaN) there cannot reach the loss or its gradient. :mod:`lightning_rl.advantages`
-(advantages, KL estimators, shaping, rollout-engine importance weights), :mod:`lightning_rl.trust_regions`
-and :mod:`lightning_rl.preference_losses` (DPO) are re-exported here.
+(advantages, KL estimators, shaping, rollout-engine importance weights), :mod:`lightning_rl.ratio_levels`,
+:mod:`lightning_rl.trust_regions` and :mod:`lightning_rl.preference_losses` (DPO) are re-exported here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, Literal, NamedTuple
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -71,6 +71,7 @@ from lightning_rl.aggregation import (
 )
 from lightning_rl.checks import check_choice, check_range, check_shapes
 from lightning_rl.preference_losses import DPO_LOSS_TYPES, DPOLossType, dpo_loss, reward_model_loss
+from lightning_rl.ratio_levels import RATIO_LEVELS, RatioLevel, sequence_log_ratio, token_log_ratio
 from lightning_rl.trust_regions import (
     SAPO_LOG_RATIO_CLAMP,
     TRUST_REGION_INPUTS,
@@ -98,7 +99,6 @@ __all__ = [
 ]
 
 Tensor = torch.Tensor
-RatioLevel = Literal["token", "sequence"]
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -121,42 +121,6 @@ def broadcast_advantages(advantages: Tensor, logp: Tensor) -> Tensor:
     raise ValueError(
         f"`advantages` must have shape (B,) or (B, T) = {tuple(logp.shape)}, got {tuple(advantages.shape)}"
     )
-
-
-# ---------------------------------------------------------------------------------------- ratio levels
-def token_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    """``log r_t = logp_t - old_logp_t`` on valid tokens, 0 on padding (so ``exp`` never sees garbage)."""
-    return torch.where(mask.bool(), logp - old_logp, 0.0)
-
-
-def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    """GSPO-token ratio ``log s_it = sg[log s_i] + logp_t - sg[logp_t]``, ``log s_i`` the row's mean
-    log-ratio.
-
-    Its value is the sequence ratio on every valid token of the row; its gradient is ``s_i grad logp_t``,
-    so with ``seq-mean-token-mean`` it equals GSPO's sequence objective in value and gradient.
-    """
-    mask = mask.bool()
-    log_ratio = token_log_ratio(logp, old_logp, mask)
-    seq = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp_min(1)
-    return torch.where(mask, seq.detach() + logp - logp.detach(), 0.0)
-
-
-def _row_mean_advantages(adv: Tensor, mask: Tensor) -> Tensor:
-    # one ratio per sequence takes one advantage per sequence: the row mean over valid tokens
-    return masked_mean(adv, mask, dim=-1).unsqueeze(-1).expand_as(adv)
-
-
-class _RatioLevel(NamedTuple):
-    log_ratio: Callable[[Tensor, Tensor, Tensor], Tensor]  # (logp, old_logp, mask) -> [B, T]
-    advantages: Callable[[Tensor, Tensor], Tensor]  # (advantages [B, T], mask) -> [B, T]
-    metric_mode: str  # what one ratio stands for: metrics are means over it
-
-
-RATIO_LEVELS: dict[str, _RatioLevel] = {
-    "token": _RatioLevel(token_log_ratio, lambda adv, mask: adv, "token-mean"),
-    "sequence": _RatioLevel(sequence_log_ratio, _row_mean_advantages, "seq-mean-token-mean"),
-}
 
 
 # ---------------------------------------------------------------------------------------- policy loss
