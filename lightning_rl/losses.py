@@ -178,6 +178,29 @@ def policy_loss(
         ``policy/kl_ref_max`` (the largest per-token KL, 0 without valid tokens) and, with
         ``kl_clamp``, ``policy/kl_clamp_frac`` (the share of tokens the clamp bit).
     """
+    _check_policy_args(logp, old_logp, ref_logp, mask, ratio_level, trust_region, aggregation, kl_coef,
+                       kl_estimator)
+    mask = mask.bool()
+    level = RATIO_LEVELS[ratio_level]
+    adv = level.advantages(broadcast_advantages(advantages, logp), mask)
+    log_ratio = level.log_ratio(logp, old_logp, mask)
+    valid_logp = torch.where(mask, logp, 0.0)  # a region that reads logp (CISPO) never sees padding garbage
+    surrogate = _trust_region(trust_region, trust_region_args, valid_logp, log_ratio, adv, mask)
+    per_token = surrogate.loss if token_weights is None else surrogate.loss * token_weights.detach()
+    metrics = _surrogate_metrics(surrogate, log_ratio, mask, level.metric_mode, logp.dtype)
+    if ref_logp is not None:
+        term, kl_metrics = _reference_kl(logp, ref_logp, mask, kl_estimator, kl_clamp)
+        if kl_coef != 0:
+            per_token = per_token + kl_coef * term
+        metrics.update(kl_metrics)
+    return aggregate(per_token, mask, aggregation, num_tokens=num_tokens, num_seqs=num_seqs), metrics
+
+
+def _check_policy_args(
+    logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, mask: Tensor, ratio_level: str,
+    trust_region: str, aggregation: str, kl_coef: float, kl_estimator: str,
+) -> None:
+    """:func:`policy_loss`'s shapes, choices and KL settings, each error naming its argument."""
     check_shapes("logp", logp, ndim=2, old_logp=old_logp, mask=mask, ref_logp=ref_logp)
     check_choice("ratio_level", ratio_level, tuple(RATIO_LEVELS))
     check_choice("trust_region", trust_region, tuple(TRUST_REGIONS))
@@ -189,34 +212,40 @@ def policy_loss(
         raise ValueError(
             f"`ref_logp` is None but the KL coefficient is {kl_coef}; pass ref_logp or set it to 0"
         )
-    mask = mask.bool()
-    level = RATIO_LEVELS[ratio_level]
-    adv = level.advantages(broadcast_advantages(advantages, logp), mask)
-    log_ratio = level.log_ratio(logp, old_logp, mask)
-    valid_logp = torch.where(mask, logp, 0.0)  # a region that reads logp (CISPO) never sees padding garbage
-    surrogate = _trust_region(trust_region, trust_region_args, valid_logp, log_ratio, adv, mask)
-    per_token = surrogate.loss if token_weights is None else surrogate.loss * token_weights.detach()
-    with torch.no_grad():
 
-        def mean(x: Tensor) -> Tensor:
-            return aggregate(x.to(logp.dtype), mask, level.metric_mode)
 
-        metrics = {f"policy/{name}": mean(value) for name, value in surrogate.stats.items()}
-        metrics["policy/ratio_mean"] = mean(surrogate.ratio)
-        # k3 of the ratio, (r - 1) - log r: kl_penalty's k3 with d = log r
-        metrics["policy/approx_kl"] = mean(kl_penalty(torch.zeros_like(log_ratio), log_ratio, "k3"))
-    if ref_logp is not None:
-        kl = kl_penalty(torch.where(mask, logp, 0.0), torch.where(mask, ref_logp, 0.0), kl_estimator)
-        term = kl if kl_clamp is None else kl.clamp(-kl_clamp, kl_clamp)
-        if kl_coef != 0:
-            per_token = per_token + kl_coef * term
-        detached = kl.detach()
-        metrics["policy/kl_ref"] = masked_mean(detached, mask)
-        metrics["policy/kl_ref_max"] = torch.where(mask, detached, -torch.inf).amax() if mask.any() \
-            else detached.new_zeros(())  # every metric stays finite, an all-masked batch's too
-        if kl_clamp is not None:
-            metrics["policy/kl_clamp_frac"] = masked_mean((detached.abs() > kl_clamp).to(logp.dtype), mask)
-    return aggregate(per_token, mask, aggregation, num_tokens=num_tokens, num_seqs=num_seqs), metrics
+@torch.no_grad()
+def _surrogate_metrics(
+    surrogate: Surrogate, log_ratio: Tensor, mask: Tensor, metric_mode: str, dtype: torch.dtype
+) -> dict[str, Tensor]:
+    """The trust region's stats, ``policy/ratio_mean`` and ``policy/approx_kl``, each a mean over what one
+    ratio stands for (``metric_mode``), in ``dtype`` (``logp``'s); ``mask`` bool."""
+
+    def mean(x: Tensor) -> Tensor:
+        return aggregate(x.to(dtype), mask, metric_mode)
+
+    metrics = {f"policy/{name}": mean(value) for name, value in surrogate.stats.items()}
+    metrics["policy/ratio_mean"] = mean(surrogate.ratio)
+    # k3 of the ratio, (r - 1) - log r: kl_penalty's k3 with d = log r
+    metrics["policy/approx_kl"] = mean(kl_penalty(torch.zeros_like(log_ratio), log_ratio, "k3"))
+    return metrics
+
+
+def _reference_kl(
+    logp: Tensor, ref_logp: Tensor, mask: Tensor, kl_estimator: str, kl_clamp: float | None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The per-token KL term of the loss (``[B, T]``, clamped to ``kl_clamp``; differentiable through
+    ``logp``) and its metrics ``policy/kl_ref`` (unclamped mean), ``policy/kl_ref_max`` and, with
+    ``kl_clamp``, ``policy/kl_clamp_frac``; ``mask`` bool."""
+    kl = kl_penalty(torch.where(mask, logp, 0.0), torch.where(mask, ref_logp, 0.0), kl_estimator)
+    term = kl if kl_clamp is None else kl.clamp(-kl_clamp, kl_clamp)
+    detached = kl.detach()
+    metrics = {"policy/kl_ref": masked_mean(detached, mask)}
+    metrics["policy/kl_ref_max"] = torch.where(mask, detached, -torch.inf).amax() if mask.any() \
+        else detached.new_zeros(())  # every metric stays finite, an all-masked batch's too
+    if kl_clamp is not None:
+        metrics["policy/kl_clamp_frac"] = masked_mean((detached.abs() > kl_clamp).to(logp.dtype), mask)
+    return term, metrics
 
 
 # ------------------------------------------------------------------------------- the contract's presets
