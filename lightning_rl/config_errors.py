@@ -214,41 +214,11 @@ def summarize(message: str, args: Sequence[str], known: Iterable[str] = ()) -> s
     where = locate(p.key, args, p.value)
     at = f" ({where})" if where else ""
     if p.kind == "unknown_key":
-        name = p.key.rsplit(".", 1)[-1]
-        if p.cls:
-            hint = close(name, class_arguments(p.cls))
-            body = f"unknown key `{p.key}`{at}: {p.cls} has no argument `{name}`"
-        else:
-            hint = suggest_key(p.key, [k for k in known if not k.startswith("-")])
-            body = f"unknown key `{p.key}`{at}"
-        return PREFIX + body + (f"; did you mean `{hint}`?" if hint else "")
+        return PREFIX + _unknown_key(p, at, known)
     if p.kind == "type":
-        body = f"`{p.key}` = {_quote(p.value)}{at}: expected "
-        if not p.choices:
-            return PREFIX + body + _or(p.expected)
-        choices = list({str(c): c for c in p.choices}.values())
-        body += ("one of " if len(choices) > 1 else "") + ", ".join(repr(c) for c in choices)
-        body += f" or {_or(p.expected)}" if p.expected else ""
-        hint = close(str(p.value), [str(c) for c in choices])
-        return PREFIX + body + (f"; did you mean {hint!r}?" if hint else "")
+        return PREFIX + _wrong_type(p, at)
     if p.kind == "class_path":
-        hint, candidates = suggest_class(p.value, p.base)
-        base = (p.base or "").rsplit(".", 1)[-1]
-        if "subclass" in p.detail or "does not correspond" in p.detail:
-            what = f"not a subclass of {base}" if base else p.detail
-        elif p.detail.startswith("Expected a dot import path"):
-            what = "no such class"
-        elif str(p.value).endswith((".yaml", ".yml", ".json")):
-            what = f"no such file (nor class: {p.detail})"
-        elif import_path(p.value) is None:
-            what = f"no such class ({p.detail})"
-        else:
-            what = p.detail
-        body = f"`{p.key}` = {_quote(p.value)}{at}: {what}"
-        if hint:
-            return PREFIX + body + f"; did you mean `{hint}`?"
-        ours = [c for c in candidates if c.startswith("lightning_rl.")] or candidates
-        return PREFIX + body + (f"; expected one of {_grouped(ours[:16])}" if ours else "")
+        return PREFIX + _wrong_class(p, at)
     if p.kind == "unrecognized":
         flags = [a for a in str(p.value).split() if a.startswith("-")]
         if not flags:
@@ -276,6 +246,52 @@ def summarize(message: str, args: Sequence[str], known: Iterable[str] = ()) -> s
         where = locate(key, args, p.cls)
         return PREFIX + function_refusal(key, p.cls, where)
     return PREFIX + (f"`{p.key}`{at}: " if p.key else "") + p.detail
+
+
+def _unknown_key(p: Problem, at: str, known: Sequence[str]) -> str:
+    """An unknown key, with the closest argument of its class (or key of the parser)."""
+    name = p.key.rsplit(".", 1)[-1]
+    if p.cls:
+        hint = close(name, class_arguments(p.cls))
+        body = f"unknown key `{p.key}`{at}: {p.cls} has no argument `{name}`"
+    else:
+        hint = suggest_key(p.key, [k for k in known if not k.startswith("-")])
+        body = f"unknown key `{p.key}`{at}"
+    return body + (f"; did you mean `{hint}`?" if hint else "")
+
+
+def _wrong_type(p: Problem, at: str) -> str:
+    """A value of the wrong type, or outside a ``Literal``: what is accepted, and the closest choice."""
+    body = f"`{p.key}` = {_quote(p.value)}{at}: expected "
+    if not p.choices:
+        return body + _or(p.expected)
+    choices = list({str(c): c for c in p.choices}.values())
+    body += ("one of " if len(choices) > 1 else "") + ", ".join(repr(c) for c in choices)
+    body += f" or {_or(p.expected)}" if p.expected else ""
+    hint = close(str(p.value), [str(c) for c in choices])
+    return body + (f"; did you mean {hint!r}?" if hint else "")
+
+
+def _wrong_class(p: Problem, at: str) -> str:
+    """A ``class_path`` that names no class, or one that is not a subclass of what the key takes: why, and
+    the closest class (else the candidates, ours first)."""
+    hint, candidates = suggest_class(p.value, p.base)
+    base = (p.base or "").rsplit(".", 1)[-1]
+    if "subclass" in p.detail or "does not correspond" in p.detail:
+        what = f"not a subclass of {base}" if base else p.detail
+    elif p.detail.startswith("Expected a dot import path"):
+        what = "no such class"
+    elif str(p.value).endswith((".yaml", ".yml", ".json")):
+        what = f"no such file (nor class: {p.detail})"
+    elif import_path(p.value) is None:
+        what = f"no such class ({p.detail})"
+    else:
+        what = p.detail
+    body = f"`{p.key}` = {_quote(p.value)}{at}: {what}"
+    if hint:
+        return body + f"; did you mean `{hint}`?"
+    ours = [c for c in candidates if c.startswith("lightning_rl.")] or candidates
+    return body + (f"; expected one of {_grouped(ours[:16])}" if ours else "")
 
 
 def interpolation_summary(err: Exception, args: Sequence[str]) -> str:
