@@ -1,13 +1,13 @@
 """What every algorithm shares: the policy, its optimiser, prompt rendering and greedy validation.
 
 ``PolicyModule`` is the base of every LightningModule here (SFT, DPO and the online RL family). The
-``__init__`` signature is the config schema: LightningCLI turns it into YAML keys under ``model:``.
+``__init__`` signature is the config schema: LightningCLI turns it into YAML keys under ``model:``. Its
+validation and predict steps are the mixin :class:`~lightning_rl.algorithms.evaluation.EvaluationSteps`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
@@ -23,12 +23,14 @@ from lightning_rl.adapters import (
     trainable_parameters,
     wrap_model,
 )
+from lightning_rl.algorithms.evaluation import Completions, EvaluationSteps
 from lightning_rl.engine import Generation, HFEngine, RolloutEngine, SamplingParams
 from lightning_rl.input_checks import InputError, check_scoring_columns, warn_if_lr_is_zero
-from lightning_rl.keys import VAL_WEIGHT_KEY
 from lightning_rl.models import load_policy
 from lightning_rl.policy import Policy
-from lightning_rl.prompts import batch_columns, real_rows, render_prompts
+from lightning_rl.prompts import batch_columns as batch_columns  # still importable from here
+from lightning_rl.prompts import real_rows as real_rows
+from lightning_rl.prompts import render_prompts
 from lightning_rl.rewards import import_reward
 from lightning_rl.rng import collect_rng_states, restore_rng_states
 from lightning_rl.sharding import (
@@ -40,24 +42,7 @@ from lightning_rl.sharding import (
 )
 
 
-@dataclass
-class Completions:
-    """Completions of a batch: ``texts`` (an episode's final model turn), ``lengths`` in tokens (EOS
-    included; an episode's every token after the prompt), and each episode's ``turns`` as messages (``None``
-    for single-turn completions)."""
-
-    texts: list[str]
-    lengths: list[int]
-    turns: list[list[dict[str, str]]] | None = None
-    returns: list[float] | None = None  # each episode's environment rewards (step + final)
-
-    def with_returns(self, rewards: Sequence[float]) -> list[float]:
-        """``rewards`` (the reward functions') plus the environment's returns, for episodes."""
-        extra = self.returns or [0.0] * len(rewards)
-        return [float(r) + e for r, e in zip(rewards, extra, strict=True)]
-
-
-class PolicyModule(L.LightningModule):
+class PolicyModule(EvaluationSteps, L.LightningModule):
     """Base LightningModule: owns the ``Policy`` and evaluates it greedily on held-out prompts.
 
     Args:
@@ -351,118 +336,6 @@ class PolicyModule(L.LightningModule):
         texts here; whole episodes in modules with an environment or tools (``OnlineRL``)."""
         gen = self.generate(batch["prompt"], num_samples=num_samples, sampling=sampling, seed=seed)
         return Completions(self.decode(gen.completion_ids, gen.completion_mask), gen.lengths.tolist())
-
-    def validation_step(self, batch: dict[str, list], batch_idx: int) -> dict[str, Any]:
-        """Greedy completions of the batch's held-out prompts, scored into ``val/accuracy`` (and the
-        subclass's ``validation_extra``). Returns what callbacks may show (``LogSamples``): the real rows'
-        ``prompts``, ``completions``, ``lengths``, ``correct`` and other data ``columns``."""
-        batch, weight = real_rows(batch)
-        done = self.complete(batch, sampling=self.sampling_params(do_sample=False))
-        completions, lengths, columns = done.texts, done.lengths, batch_columns(batch)
-        if done.turns is not None:
-            columns = {**columns, "turns": done.turns}
-        scores = self.correct(batch["prompt"], completions, columns)
-        acc = torch.tensor([float(s) for s in scores], device=self.device)
-        self.log_val_mean("val/accuracy", acc.mean(), weight)
-        self.validation_extra(batch, done, columns, weight)
-        return {"prompts": batch["prompt"], "completions": completions, "lengths": lengths, "correct": scores,
-                "columns": columns, "returns": done.returns}
-
-    def correct(self, prompts: Sequence[Any], completions: list[str], columns: dict[str, list]) -> list[Any]:
-        """Per-completion correctness, whose mean is ``val/accuracy``: ``accuracy_fn`` here."""
-        return self.accuracy_fn(prompts=prompts, completions=completions, **columns)
-
-    def validation_extra(self, batch: dict[str, list], done: Completions, columns: dict[str, list],
-                         weight: float) -> None:
-        """Hook for subclasses to log more validation metrics from the same greedy completions."""
-
-    def sample_rewards(
-        self, prompts: Sequence[Any], completions: list[str], lengths: list[int], columns: dict[str, list]
-    ) -> list[float]:
-        """The reward of each completion, for predictions and sample tables: the module's reward
-        functions (``self.rewards``, weighted, without overlong shaping: what ``val/reward_mean`` averages)
-        when it has them, else ``accuracy_fn`` as a reward (DPO, SFT)."""
-        rewards = getattr(self, "rewards", None)
-        if callable(rewards):
-            scores, _ = rewards(prompts, completions, completion_lengths=lengths, **columns)
-            return [float(s) for s in scores]
-        return [float(s) for s in self.accuracy_fn(prompts=prompts, completions=completions, **columns)]
-
-    # ---- predict: completions of held-out prompts, scored (``lightning-rl predict``) -------------------
-    def predict_step(self, batch: dict[str, list], batch_idx: int) -> list[dict[str, Any]]:
-        """Generate for the batch's prompts as the ``WritePredictions`` callback asks (greedy, or
-        ``num_generations`` samples each at its temperature), score each sample with ``sample_rewards`` and
-        ``correct``, and return one row per sample of a real prompt (placeholder rows, which only give every
-        rank as many batches, are generated for, then left out). See ``WritePredictions`` for the fields.
-        """
-        from lightning_rl.callbacks.predictions import WritePredictions
-        from lightning_rl.keys import ROW_INDEX_KEY
-
-        if not hasattr(self, "engine"):
-            raise ValueError(f"`predict` generates completions: {type(self).__name__} has no policy to run")
-        writer = next((cb for cb in self.trainer.callbacks if isinstance(cb, WritePredictions)), None)
-        writer = writer or WritePredictions()
-        n, temperature = writer.num_generations, writer.temperature
-        sample = n > 1 or temperature is not None
-        temperature = temperature if temperature is not None else getattr(
-            getattr(self, "sampling", None), "temperature", 1.0)
-        trained = getattr(self, "sampling", None) or self.sampling_params()
-        done = self.complete(batch, num_samples=n, sampling=self.sampling_params(
-            temperature, trained.top_p, trained.top_k, do_sample=sample))
-        completions, lengths = done.texts, done.lengths
-        data = {k: v for k, v in batch_columns(batch).items() if k != ROW_INDEX_KEY}
-        prompts = [p for p in batch["prompt"] for _ in range(n)]
-        columns = {k: [v for v in values for _ in range(n)] for k, values in data.items()}
-        if done.turns is not None:
-            columns["turns"] = done.turns
-        rewards = done.with_returns(self.sample_rewards(prompts, completions, lengths, columns))
-        correct = self.correct(prompts, completions, columns)
-        weights = batch.get(VAL_WEIGHT_KEY) or [1.0] * len(batch["prompt"])
-        index = batch.get(ROW_INDEX_KEY) or [None] * len(batch["prompt"])  # None: not from our DataModules
-        rows = []
-        for i in range(len(completions)):
-            row_idx = i // n
-            if weights[row_idx] <= 0:
-                continue
-            answer = {"answer": columns["answer"][i]} if "answer" in columns else {}
-            turns = {"turns": done.turns[i]} if done.turns is not None else {}
-            rows.append({"index": index[row_idx], "sample": i % n, "prompt": prompts[i], **answer,
-                         "completion": completions[i], **turns, "reward": rewards[i],
-                         "correct": bool(correct[i]), "length": int(lengths[i])})
-        return rows
-
-    # ---- validation metrics: exact means over held-out rows on any world size ---------------------
-    def on_validation_epoch_start(self) -> None:
-        self._val_sums: dict[str, torch.Tensor] = {}
-
-    def log_val_mean(self, name: str, value: torch.Tensor | float, weight: float) -> None:
-        """Add ``value``, a mean over ``weight`` held-out rows, to this validation's mean of ``name``.
-
-        Sums and counts are all-reduced once at the end of validation, so the logged value is the mean
-        over every held-out row exactly once (Lightning's ``sync_dist`` averages per-rank means instead).
-        """
-        sums = self._val_sums.setdefault(name, torch.zeros(2, device=self.device))
-        value = torch.as_tensor(value, dtype=torch.float32, device=self.device).detach()
-        sums += torch.stack([value * weight, value.new_tensor(weight)])
-
-    def on_validation_epoch_end(self) -> None:
-        results = {}
-        for name in sorted(self._val_sums):  # the same names on every rank: every rank ran >= 1 batch
-            total, count = self.trainer.strategy.reduce(self._val_sums[name].clone(), reduce_op="sum")
-            results[name] = total / count.clamp_min(1)
-            self.log(name, results[name], prog_bar=name in self.val_prog_bar)
-        if self.trainer.sanity_checking and results:
-            # Lightning logs nothing during the sanity pass: record it as the starting point of every curve
-            for logger in self.loggers:
-                logger.log_metrics({k: float(v) for k, v in results.items()}, step=self.global_step)
-        shown = [f"{k} = {float(results[k]):.3f}" for k in self.val_prog_bar if k in results]
-        if shown and not getattr(self, "_said_accuracy", False) and "val/accuracy" in results:
-            rank_zero_info(f"val/accuracy: the mean of {self.accuracy_name} on greedy completions")
-            self._said_accuracy = True
-        if shown:
-            rank_zero_info(f"step {self.global_step}: " + ", ".join(shown))
-
-    val_prog_bar: tuple[str, ...] = ("val/accuracy",)  # validation metrics on the progress bar and printed
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         optimizer = self.trainer.optimizers[0] if self.trainer.optimizers else None
