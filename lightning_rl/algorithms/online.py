@@ -126,30 +126,13 @@ class OnlineRL(ManualSteps, PolicyModule):
         check_keys(num_generations, self.advantage, entropy_coef, temperature, kl_in_reward, kl_coef,
                    kl_target, kl_horizon)
         self.num_generations, self.sampling = num_generations, self.sampling_params(temperature, top_p, top_k)
-        self.objective = Objective(  # with the KL in the reward, not in the loss
-            ratio_level=ratio_level, trust_region=trust_region, clip_low=clip_low, clip_high=clip_high,
-            clip_ratio_c=clip_ratio_c, tau_pos=tau_pos, tau_neg=tau_neg, aggregation=aggregation,
-            kl_coef=0.0 if kl_in_reward else kl_coef, kl_estimator=kl_estimator, kl_clamp=kl_clamp)
-        in_reward = kl_in_reward and kl_coef > 0
-        self.kl_reward = KLInReward(kl_coef, kl_estimator, kl_target, kl_horizon) if in_reward else None
+        self.init_objective(ratio_level, trust_region, clip_low, clip_high, clip_ratio_c, tau_pos, tau_neg,
+                            aggregation, kl_coef, kl_estimator, kl_clamp, kl_in_reward, kl_target, kl_horizon)
         self.updater = Updater(ppo_epochs, num_minibatches, micro_batch_size, max_grad_norm)
-        self.episodes = episode_runner(
-            environment, tools, tokenizer=self.tokenizer, chat=self.chat_template, max_turns=max_turns,
-            max_new_tokens=self.max_new_tokens, max_episode_tokens=max_episode_tokens,
-            max_prompt_length=self.max_prompt_length, context=self.policy.context_length,
-            tool_format=tool_format, tool_timeout=tool_timeout, on_env_error=on_env_error)
-        if self.episodes is not None and isinstance(self.episodes.format, HermesFormat):
-            self.prompt_tools = [t.schema for t in self.episodes.tools.values()] or None
-        default = None if reward_model else ["lightning_rl.rewards:exact_match"]
-        functions = reward_fns if reward_fns is not None else default
-        if functions == [] and self.episodes is not None and environment is not None:
-            functions = None  # the environment's rewards alone
-        self.rewards = RewardScorer(functions, reward_weights, on_reward_error, max_reward_error_frac) \
-            if functions is not None else None
-        if kwargs.get("accuracy_fn") is None and self.rewards is not None:  # follow the main reward function
-            self.accuracy_fn = main_reward(self.rewards)
-            self.accuracy_name = repr(self.accuracy_fn)
-        self.correctness_fn = import_reward(correctness_fn) if correctness_fn else self.accuracy_fn
+        self.init_episodes(environment, tools, max_turns, max_episode_tokens, tool_format, tool_timeout,
+                           on_env_error)
+        self.init_rewards(reward_fns, reward_weights, reward_model, correctness_fn, on_reward_error,
+                          max_reward_error_frac, kwargs.get("accuracy_fn"), environment)
         remote = kwargs.get("trust_remote_code", False)
         self.reward_pipeline = self.reward_stage(reward_model, reward_model_weight, overlong_buffer,
                                                  overlong_penalty_factor, remote)
@@ -165,6 +148,54 @@ class OnlineRL(ManualSteps, PolicyModule):
         self.needs_reference = self.objective.needs_reference or self.kl_reward is not None
         self.__dict__["_reference"] = None
         self._generation_round = 0
+
+    def init_objective(
+        self, ratio_level: RatioLevel, trust_region: TrustRegion, clip_low: float, clip_high: float,
+        clip_ratio_c: float | None, tau_pos: float, tau_neg: float, aggregation: Aggregation, kl_coef: float,
+        kl_estimator: KLEstimator, kl_clamp: float | None, kl_in_reward: bool, kl_target: float | None,
+        kl_horizon: int,
+    ) -> None:
+        """``objective`` (the loss; its KL term off when the KL is in the reward) and ``kl_reward`` (the
+        KL-in-reward penalty: ``None`` unless ``kl_in_reward`` with ``kl_coef`` > 0)."""
+        self.objective = Objective(  # with the KL in the reward, not in the loss
+            ratio_level=ratio_level, trust_region=trust_region, clip_low=clip_low, clip_high=clip_high,
+            clip_ratio_c=clip_ratio_c, tau_pos=tau_pos, tau_neg=tau_neg, aggregation=aggregation,
+            kl_coef=0.0 if kl_in_reward else kl_coef, kl_estimator=kl_estimator, kl_clamp=kl_clamp)
+        in_reward = kl_in_reward and kl_coef > 0
+        self.kl_reward = KLInReward(kl_coef, kl_estimator, kl_target, kl_horizon) if in_reward else None
+
+    def init_episodes(
+        self, environment: Environment | None, tools: list[str] | None, max_turns: int,
+        max_episode_tokens: int | None, tool_format: Literal["auto", "hermes", "plain"], tool_timeout: float,
+        on_env_error: Literal["raise", "zero"],
+    ) -> None:
+        """``episodes`` (``None`` without an environment or tools) and, for the Hermes tool format, the tool
+        schemas the chat template renders into prompts (``prompt_tools``)."""
+        self.episodes = episode_runner(
+            environment, tools, tokenizer=self.tokenizer, chat=self.chat_template, max_turns=max_turns,
+            max_new_tokens=self.max_new_tokens, max_episode_tokens=max_episode_tokens,
+            max_prompt_length=self.max_prompt_length, context=self.policy.context_length,
+            tool_format=tool_format, tool_timeout=tool_timeout, on_env_error=on_env_error)
+        if self.episodes is not None and isinstance(self.episodes.format, HermesFormat):
+            self.prompt_tools = [t.schema for t in self.episodes.tools.values()] or None
+
+    def init_rewards(
+        self, reward_fns: list[str] | None, reward_weights: list[float] | None, reward_model: str | None,
+        correctness_fn: str | None, on_reward_error: Literal["raise", "zero"], max_reward_error_frac: float,
+        accuracy_fn: str | None, environment: Environment | None,
+    ) -> None:
+        """``rewards`` (the reward functions' scorer; ``None`` for a reward model's or an environment's
+        rewards alone) and ``correctness_fn``; an unset ``accuracy_fn`` follows the main reward function."""
+        default = None if reward_model else ["lightning_rl.rewards:exact_match"]
+        functions = reward_fns if reward_fns is not None else default
+        if functions == [] and self.episodes is not None and environment is not None:
+            functions = None  # the environment's rewards alone
+        self.rewards = RewardScorer(functions, reward_weights, on_reward_error, max_reward_error_frac) \
+            if functions is not None else None
+        if accuracy_fn is None and self.rewards is not None:  # follow the main reward function
+            self.accuracy_fn = main_reward(self.rewards)
+            self.accuracy_name = repr(self.accuracy_fn)
+        self.correctness_fn = import_reward(correctness_fn) if correctness_fn else self.accuracy_fn
 
     def setup(self, stage: str) -> None:
         """``fit``: build the reference now, before Lightning loads a resumed checkpoint's trained weights."""
