@@ -17,8 +17,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 class Checkpoints(ModelCheckpoint):
     """Keep the last checkpoint (and, if asked, the best one) in the run's ``checkpoints/`` folder.
 
-    * ``last.ckpt`` is written every ``every_n_steps`` optimiser steps and when training ends, each time
-      replacing the one before: a run holds one, whatever its length. ``--ckpt_path last`` resumes it.
+    * ``last.ckpt`` is written every ``every_n_steps`` optimiser steps and after the run's last batch (or
+      its last epoch under ``max_epochs``), each time replacing the one before: a run holds one, whatever
+      its length. ``--ckpt_path last`` resumes it.
     * With ``keep_best``, ``best.ckpt`` too: written after a validation whose ``monitor`` beats every
       earlier one (``mode`` ``max``: higher is better), replacing the previous best.
     * A checkpoint holds what resuming needs: the trainable weights (the adapters only under LoRA), the
@@ -54,9 +55,15 @@ class Checkpoints(ModelCheckpoint):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *_: Any) -> None:
         """``last.ckpt`` when the step count passed a multiple of ``every_n_steps`` (a batch may take
-        several optimiser steps, so "passed", not "equals")."""
-        every = self.every_n_steps
-        if every and self._saving(trainer) and trainer.global_step // every > self._last_saved_step // every:
+        several optimiser steps, so "passed", not "equals"), and after the run's last batch.
+
+        Written here, not in ``on_train_end``: Lightning's loops resume a checkpoint taken at a batch's end
+        exactly (one taken after the loop finished would log the resumed steps one step late)."""
+        if not self._saving(trainer) or trainer.global_step == self._last_saved_step:
+            return
+        every, step = self.every_n_steps, trainer.global_step
+        last_batch = trainer.should_stop or 0 < trainer.max_steps <= step
+        if last_batch or (every and step // every > self._last_saved_step // every):
             self._write_last(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -71,12 +78,14 @@ class Checkpoints(ModelCheckpoint):
         self._save_topk_checkpoint(trainer, candidates)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Nothing: the step schedule and the end of training decide (Lightning would write here)."""
+        """``last.ckpt`` after the last epoch of a run that ends by ``max_epochs`` (where Lightning writes its
+        epoch-end checkpoints); other epochs' ends are left to the step schedule."""
+        final = (trainer.max_epochs or 0) > 0 and trainer.current_epoch + 1 >= trainer.max_epochs
+        if final and self._saving(trainer) and trainer.global_step > self._last_saved_step:
+            self._write_last(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """``last.ckpt`` holds the final step (unless that step was just written)."""
-        if self._saving(trainer) and trainer.global_step > self._last_saved_step:
-            self._write_last(trainer)
+        """Nothing: the run's last batch or epoch wrote ``last.ckpt`` (Lightning's would write it here)."""
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "last_saved_step": self._last_saved_step}

@@ -136,3 +136,12 @@ def test_a_configured_checkpoint_callback_and_checkpointing_off_are_left_alone(t
                                                                    "epoch=0-step=2.ckpt"]
     trainer, writes = rl_fit(tmp_path / "off", max_steps=1, enable_checkpointing=False)
     assert trainer.checkpoint_callbacks == [] and writes == []
+
+
+def test_a_run_ending_by_max_epochs_writes_last_at_its_last_epoch(tmp_path):
+    callback = Recording(every_n_steps=5, dirpath=str(tmp_path / "ckpt"))
+    trainer = L.Trainer(accelerator="cpu", max_epochs=2, limit_train_batches=3, logger=False,
+                        callbacks=[callback], limit_val_batches=0, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer.fit(Scripted([]))
+    assert callback.writes == [("last.ckpt", 5), ("last.ckpt", 6)]
