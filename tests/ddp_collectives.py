@@ -110,6 +110,7 @@ def main() -> None:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         module = LocalLossDPO(model="builtin:tiny-sort", max_prompt_length=16, max_completion_length=10,
                               optimizer=partial(torch.optim.SGD, lr=0.1))
+        assert module.reference is not None  # built from the loaded model, before the policy moves
         gen = torch.Generator().manual_seed(1)
         with torch.no_grad():  # away from the reference, so losses differ between pairs
             for p in module.policy.parameters():
