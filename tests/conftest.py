@@ -1,4 +1,5 @@
-"""Test setup: one torch thread (several times faster for tiny models on a 2-core machine)."""
+"""Test setup: one torch thread (several times faster for tiny models on a 2-core machine), the tiers'
+markers checked, and the one launch of the session's multi-process runs (tests/rank_jobs.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,30 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/helpers.py
+
+from rank_jobs import JOBS, RankJobs  # noqa: E402
+
+# the first test that reads a multi-process job waits for the whole launch (every job the session needs)
+LAUNCH_TIMEOUT = 1800
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        marker = item.get_closest_marker("ranks")
+        if marker is None:
+            continue
+        unknown = [name for name in marker.args if name not in JOBS]
+        if unknown or item.get_closest_marker("distributed") is None:
+            raise pytest.UsageError(f"{item.nodeid}: ranks{marker.args} needs the `distributed` marker and "
+                                    f"names from tests/rank_jobs.py JOBS (unknown: {unknown})")
+        item.add_marker(pytest.mark.timeout(LAUNCH_TIMEOUT))
+
+
+@pytest.fixture(scope="session")
+def rank_jobs(request, tmp_path_factory) -> RankJobs:
+    """The folders of the multi-process jobs that the selected tests name (one launch, on first use)."""
+    names = [name for item in request.session.items for m in item.iter_markers("ranks") for name in m.args]
+    return RankJobs(tmp_path_factory.mktemp("ranks"), list(dict.fromkeys(names)))
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import launch
 
 from lightning_rl.collectives import Collectives
 from lightning_rl.data import PromptDataModule
@@ -19,13 +18,12 @@ from lightning_rl.filters import DynamicSampling
 from lightning_rl.metrics import StepMetrics
 from lightning_rl.rollout import Rollout
 
-SCRIPT = Path(__file__).with_name("ddp_collectives.py")
 CPU = torch.device("cpu")
 
 
-def _launch(out: Path, mode: str, devices: int = 2, *args: str, timeout: int = 240) -> list[dict]:
-    launch(SCRIPT, out, devices, *args, cwd=out.parent, env={"COLLECTIVES_MODE": mode}, timeout=timeout)
-    return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(devices)]
+def _ranks(out: Path) -> list[dict]:
+    """What each rank of a tests/ddp_collectives.py run wrote (``OUT.rank{r}.json``)."""
+    return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
 
 
 # ------------------------------------------------------------------------------ unit: one process
@@ -148,9 +146,11 @@ def test_state_dict_keeps_every_ranks_refill_position():
 
 
 # ------------------------------------------------------------------------------ 2 gloo ranks
-def test_dapo_rank_whose_filter_keeps_nothing_finishes(tmp_path):
+@pytest.mark.distributed
+@pytest.mark.ranks("ddp/starve")
+def test_dapo_rank_whose_filter_keeps_nothing_finishes(rank_jobs):
     # rank 1 keeps no group in any round, rank 0 keeps all in the first; generation is synced (FSDP2)
-    ranks = _launch(tmp_path / "starve", "starve", 2, "2")
+    ranks = _ranks(rank_jobs.out("ddp/starve") / "run")
     assert ranks[0]["names"] == ranks[1]["names"]
     assert {"rollout/reward_mean", "policy/loss", "policy/entropy"} <= set(ranks[0]["names"])
     for s0, s1 in zip(ranks[0]["steps"], ranks[1]["steps"], strict=True):
@@ -163,10 +163,13 @@ def test_dapo_rank_whose_filter_keeps_nothing_finishes(tmp_path):
         assert set(s0["logged"]) == set(s1["logged"])
 
 
-def test_dapo_resume_on_two_ranks_is_exact(tmp_path):
-    full = _launch(tmp_path / "full", "partial", 2, "4")
-    (ckpt,) = (tmp_path / "full.ckpt").glob("*step=2.ckpt")
-    resumed = _launch(tmp_path / "resumed", "partial", 2, "4", str(ckpt))
+@pytest.mark.distributed
+@pytest.mark.ranks("ddp/partial-resume")
+def test_dapo_resume_on_two_ranks_is_exact(rank_jobs):
+    # 4 steps with a checkpoint every 2, then 2 more from the step-2 checkpoint
+    out = rank_jobs.out("ddp/partial-resume")
+    assert len(list((out / "full.ckpt").glob("*step=2.ckpt"))) == 1
+    full, resumed = _ranks(out / "full"), _ranks(out / "resumed")
     # a run where rank 1 needs refills, and trains on what its refill prompts give
     assert full[1]["steps"][-1]["refills_consumed"] > 0
     for rank in (0, 1):
@@ -181,8 +184,10 @@ def test_dapo_resume_on_two_ranks_is_exact(tmp_path):
             assert len(exact[0]) > 15 and exact[0] == exact[1]
 
 
-def test_dpo_train_metrics_are_means_over_ranks(tmp_path):
-    ranks = _launch(tmp_path / "dpo", "dpo", 2, "2")
+@pytest.mark.distributed
+@pytest.mark.ranks("ddp/dpo-metrics")
+def test_dpo_train_metrics_are_means_over_ranks(rank_jobs):
+    ranks = _ranks(rank_jobs.out("ddp/dpo-metrics") / "run")
     for s0, s1 in zip(ranks[0]["steps"], ranks[1]["steps"], strict=True):
         local = (s0["local_loss"], s1["local_loss"])
         assert abs(local[0] - local[1]) > 1e-4  # the ranks' pairs really differ

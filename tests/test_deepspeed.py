@@ -2,46 +2,38 @@
 
 The stock strategy refuses non-CUDA devices; ``tests/deepspeed_cpu.py`` lifts only that check, so the
 engine, its ZeRO partitioning, gradient reduction, accumulation boundary, clipping and optimizer step
-are DeepSpeed's own. Each run is a script under a hard timeout (see ``helpers.launch``).
+are DeepSpeed's own. Each 2-rank run is a job of tests/rank_jobs.py, under a hard timeout.
 """
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import launch
+from rank_jobs import run_here
 
-HERE = Path(__file__).parent
-
-
-def _launch(script: str, *args: str, stage: int | None = None, timeout: int = 240) -> None:
-    env = {"STRATEGY": f"zero{stage}"} if stage else None
-    launch(HERE / script, *args, cwd=HERE.parent, env=env, timeout=timeout)
-
-
-def _update(out: Path, devices: int, stage: int, split: str) -> dict:
-    _launch("deepspeed_update.py", str(out), str(devices), str(stage), "3", split)
-    return torch.load(out)
+pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory) -> dict:
-    """One process's updates for each row split, computed once for the module."""
+    """One process's updates for each row split (in this process), computed once for the module."""
     out = tmp_path_factory.mktemp("single")
-    return {split: _update(out / f"{split}.pt", 1, 0, split) for split in ("strided", "rank0")}
+    for split in ("strided", "rank0"):
+        run_here("deepspeed_update.py", out / f"{split}.pt", "1", "0", "3", split)
+    return {split: torch.load(out / f"{split}.pt") for split in ("strided", "rank0")}
 
 
+@pytest.mark.ranks("zero2/update-strided", "zero3/update-strided", "zero3/update-rank0")
 @pytest.mark.parametrize(("stage", "split"), [(2, "strided"), (3, "strided"), (3, "rank0")])
-def test_zero_updates_equal_single_process_updates(tmp_path, single_process, stage, split):
+def test_zero_updates_equal_single_process_updates(rank_jobs, single_process, stage, split):
     """3 SGD steps (lr 1, one per aggregation mode) clipped to 0.05 by the engine: after each, the weights
     equal one process's. strided: the ranks hold different token counts in 3 micro-batches each (the
     engine's accumulation boundary on the last); rank0: rank 1 holds nothing and joins with a zero loss.
     Without the per-micro-batch engine bookkeeping, ZeRO-3 kept only the last micro-batch (diff 7e-3)."""
     single = single_process[split]
-    zero = _update(tmp_path / "zero.pt", 2, stage, split)
+    zero = torch.load(rank_jobs.out(f"zero{stage}/update-{split}") / "result.pt")
     assert zero["zero3"] == (stage == 3) and not single["zero3"]
     start = None
     for before, a, b in zip([None, *single["weights"]], single["weights"], zero["weights"], strict=False):
@@ -63,35 +55,36 @@ def _reloads_exactly(folder: Path, trained: dict) -> None:
     assert max((reloaded[k] - trained[k]).abs().max().item() for k in trained) == 0.0
 
 
-def test_zero3_dapo_fit_partitions_agrees_on_every_collective_and_exports(tmp_path):
+@pytest.mark.ranks("zero3/dapo")
+def test_zero3_dapo_fit_partitions_agrees_on_every_collective_and_exports(rank_jobs):
     """Rank 0 keeps every group, rank 1 only some: the ranks' rollouts, refills and micro-batch counts
     differ, yet every ZeRO-3 gather and reduction is matched (a mismatch hangs, killed by the timeout);
     validation runs on uneven ranks (3 held-out rows, batches of 1); the export gathers the partitions."""
     from transformers import AutoModelForCausalLM
 
-    _launch("fsdp2_fit.py", str(tmp_path), "dapo", "3", stage=3, timeout=300)
-    result = torch.load(tmp_path / "result.pt")
+    out = rank_jobs.out("zero3/dapo")
+    result = torch.load(out / "result.pt")
     assert result["global_step"] == 3
     assert {"val/accuracy", "rollout/gen_batches", "policy/grad_norm"} <= set(result["metrics"])
-    whole = sum(p.nbytes for p in AutoModelForCausalLM.from_pretrained(tmp_path / "policy").parameters())
+    whole = sum(p.nbytes for p in AutoModelForCausalLM.from_pretrained(out / "policy").parameters())
     assert all(r["sharded"] and r["policy_local_bytes"] * 2 == whole for r in result["ranks"])
     r0, r1 = (r["steps"] for r in result["ranks"])
     assert [s["kept"] for s in r0] == [8, 8, 8]
     assert any(s["kept"] < 8 for s in r1)
     for a, b in zip(r0, r1, strict=True):
         assert a["refills_consumed"] == b["refills_consumed"] and a["logged"] == b["logged"]
-    _reloads_exactly(tmp_path / "policy", result["weights"])
+    _reloads_exactly(out / "policy", result["weights"])
 
 
-def test_zero3_grpo_resumes_exactly_from_a_deepspeed_checkpoint(tmp_path):
+@pytest.mark.ranks("zero3/resume")
+def test_zero3_grpo_resumes_exactly_from_a_deepspeed_checkpoint(rank_jobs):
     """4 steps vs 2 + a DeepSpeed checkpoint folder + 2: the same metrics, weights and per-rank RNG. The
-    resumed run finds the folder as `--ckpt_path last` does."""
-    _launch("fsdp2_fit.py", str(tmp_path / "full"), "resume", "4", stage=3, timeout=300)
-    (ckpt,) = (tmp_path / "full" / "ckpt").glob("*step=2.ckpt")
+    resumed run finds the folder, copied alone into its own checkpoint folder, as `--ckpt_path last` does."""
+    out = rank_jobs.out("zero3/resume")
+    (ckpt,) = (out / "full" / "ckpt").glob("*step=2.ckpt")
     assert ckpt.is_dir() and (ckpt / "checkpoint").is_dir()
-    shutil.copytree(ckpt, tmp_path / "resumed" / "ckpt" / ckpt.name)
-    _launch("fsdp2_fit.py", str(tmp_path / "resumed"), "resume", "4", "last", stage=3, timeout=300)
-    full, resumed = (torch.load(tmp_path / run / "result.pt") for run in ("full", "resumed"))
+    assert (out / "resumed" / "ckpt" / ckpt.name).is_dir()  # the copy the resumed run found
+    full, resumed = (torch.load(out / run / "result.pt") for run in ("full", "resumed"))
     assert full["global_step"] == resumed["global_step"] == 4
     for rank in (0, 1):
         tail = [s for s in full["ranks"][rank]["steps"] if s["step"] > 2]

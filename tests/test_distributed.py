@@ -3,29 +3,20 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import launch
+from rank_jobs import run_here
 
-SCRIPT = Path(__file__).with_name("ddp_update.py")
-VALIDATE = Path(__file__).with_name("ddp_validate.py")
-
-
-def _launch(script: Path, out: Path, *args: str) -> None:
-    launch(script, out, *args, cwd=out.parent)
+pytestmark = pytest.mark.distributed
 
 
-def _run(out: Path, devices: int, micro: str) -> dict:
-    _launch(SCRIPT, out, str(devices), micro)
-    return torch.load(out)
-
-
-def test_gradient_does_not_depend_on_world_size(tmp_path):
-    single = _run(tmp_path / "single.pt", 1, "none")
+@pytest.mark.ranks("ddp/update")
+def test_gradient_does_not_depend_on_world_size(tmp_path, rank_jobs):
+    run_here("ddp_update.py", tmp_path / "single.pt", "1", "none")
+    single = torch.load(tmp_path / "single.pt")
     # rank 0 and 1 hold different token counts; 3 rows per micro-batch
-    ddp = _run(tmp_path / "ddp.pt", 2, "3")
+    ddp = torch.load(rank_jobs.out("ddp/update") / "result.pt")
     for mode, grads in single.items():
         scale = max(g.abs().max().item() for g in grads.values())
         diff = max((grads[n] - ddp[mode][n]).abs().max().item() for n in grads)
@@ -36,11 +27,11 @@ def test_gradient_does_not_depend_on_world_size(tmp_path):
     assert max((a[n] - b[n]).abs().max().item() for n in a) > 1e-4
 
 
-def test_every_held_out_row_is_scored_once_on_two_ranks(tmp_path):
-    results = {}
-    for devices in (1, 2):
-        _launch(VALIDATE, tmp_path / f"val{devices}.json", str(devices))
-        results[devices] = json.loads((tmp_path / f"val{devices}.json").read_text())
+@pytest.mark.ranks("ddp/validate")
+def test_every_held_out_row_is_scored_once_on_two_ranks(tmp_path, rank_jobs):
+    run_here("ddp_validate.py", tmp_path / "single.json", "1")
+    results = {1: json.loads((tmp_path / "single.json").read_text()),
+               2: json.loads((rank_jobs.out("ddp/validate") / "result.json").read_text())}
     (single,) = results[1]["seen"]
     prompts = [p for p, _ in single]
     assert len(prompts) == 5 and len(set(prompts)) == 5

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CONFIGS, datamodule, launch, logprobs, make, make_trainer, run_cli, scalars, update
+from helpers import CONFIGS, datamodule, logprobs, make, make_trainer, run_cli, scalars, update
 
 from lightning_rl.algorithms import GRPO
 from lightning_rl.callbacks import RLCallback
@@ -129,10 +129,11 @@ def test_correction_options_are_validated():
         CopyEngine("int8")
 
 
+@pytest.mark.distributed
+@pytest.mark.ranks("ddp/engine", "fsdp2/engine")
 @pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
-def test_engine_weights_follow_the_trained_weights_on_two_ranks(tmp_path, kind):
-    launch(HERE / "engine_sync.py", str(tmp_path), kind, cwd=HERE, timeout=300)
-    steps = json.loads((tmp_path / "result.json").read_text())
+def test_engine_weights_follow_the_trained_weights_on_two_ranks(rank_jobs, kind):
+    steps = json.loads((rank_jobs.out(f"{kind}/engine") / "result.json").read_text())  # tests/engine_sync.py
     assert len(steps) == 3 and all(s["dtype"] == "torch.bfloat16" and s["count"] > 10 for s in steps)
     assert [s["diff"] for s in steps] == [0.0, 0.0, 0.0]
     assert all(s["stats"]["rollout/mismatch_k3"] >= 0 for s in steps)

@@ -220,19 +220,15 @@ def test_grpo_step_trains_on_episodes_with_observations_out_of_the_loss(tmp_path
     assert (rollout.rewards[:2] >= 1.0).all()  # the environment's step reward is in the reward
 
 
+@pytest.mark.distributed
+@pytest.mark.ranks("ddp/episodes", "fsdp2/episodes")
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_ranks_with_uneven_turn_counts_make_the_same_collectives(tmp_path, strategy):
+def test_ranks_with_uneven_turn_counts_make_the_same_collectives(rank_jobs, strategy):
     """Rank 0's episodes take 1 model turn, rank 1's take 3: two GRPO steps and greedy validation on uneven
     held-out rows finish on both strategies (a rank that skipped a turn's all-reduce, or under FSDP2 a
     turn's generation, would hang and be killed). Broken variant that hangs: `any_active` without the
     all-reduce (each rank stopping when its own episodes are done)."""
-    from pathlib import Path
-
-    from helpers import launch
-
-    here = Path(__file__).parent
-    launch(here / "episodes_fit.py", str(tmp_path), strategy, cwd=here.parent, timeout=240)
-    result = torch.load(tmp_path / "result.pt")
+    result = torch.load(rank_jobs.out(f"{strategy}/episodes") / "result.pt")  # tests/episodes_fit.py
     assert result["global_step"] == 2
     rank0, rank1 = result["turns"]
     assert {t for step in rank0 for t in step} == {1}

@@ -1,39 +1,33 @@
 """FSDP2 (``ModelParallelStrategy`` + ``fully_shard``) on 2 gloo ranks: gradient, fit, validation, export.
 
-Each multi-process run is a script in its own session under a hard timeout: a hung gloo rank ignores
-SIGTERM, and a hang (a rank skipping a collective) must fail the test, not stall the suite.
+Each multi-process run is a job of tests/rank_jobs.py (one launch for the session, every job under a hard
+timeout: a hung gloo rank ignores SIGTERM, and a hang, a rank skipping a collective, must fail the test,
+not stall the suite).
 """
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import launch
+from rank_jobs import run_here
 
 from lightning_rl.sharding import decoder_layers, needs_synced_generation, refuse_fsdp1
 
-HERE = Path(__file__).parent
+distributed = pytest.mark.distributed
 
 
-def _launch(script: str, *args: str, timeout: int = 240) -> None:
-    launch(HERE / script, *args, cwd=HERE.parent, timeout=timeout)
-
-
-def _update(out: Path, devices: int, micro: str, split: str) -> dict:
-    _launch("fsdp2_update.py", str(out), str(devices), micro, split)
-    return torch.load(out)
-
-
-@pytest.mark.parametrize(("micro", "split"), [("3", "strided"), ("none", "rank0")])
-def test_fsdp2_update_equals_single_process_gradient(tmp_path, micro, split):
+@distributed
+@pytest.mark.ranks("fsdp2/update-strided", "fsdp2/update-rank0")
+@pytest.mark.parametrize("split", ["strided", "rank0"])
+def test_fsdp2_update_equals_single_process_gradient(tmp_path, rank_jobs, split):
     """strided: ranks hold different token counts, 3 micro-batches each (gradient sync off for the first
     two); rank0: rank 1 has no rows at all and its empty micro-batch still joins the reduce-scatter."""
-    single = _update(tmp_path / "single.pt", 1, "none", split)
-    fsdp = _update(tmp_path / "fsdp.pt", 2, micro, split)
+    run_here("fsdp2_update.py", tmp_path / "single.pt", "1", "none", split)
+    single = torch.load(tmp_path / "single.pt")
+    fsdp = torch.load(rank_jobs.out(f"fsdp2/update-{split}") / "result.pt")
     assert fsdp["sharded"] and not single["sharded"]
     for mode, grads in single["grads"].items():
         assert set(grads) == set(fsdp["grads"][mode])
@@ -50,22 +44,24 @@ def test_fsdp2_update_equals_single_process_gradient(tmp_path, micro, split):
         assert a == pytest.approx(b, rel=1e-5) and a > 0.05
 
 
-def test_fsdp2_grpo_fit_validates_unevenly_and_exports(tmp_path):
+@distributed
+@pytest.mark.ranks("fsdp2/grpo")
+def test_fsdp2_grpo_fit_validates_unevenly_and_exports(rank_jobs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _launch("fsdp2_fit.py", str(tmp_path), timeout=300)
-    result = torch.load(tmp_path / "result.pt")
+    out = rank_jobs.out("fsdp2/grpo")
+    result = torch.load(out / "result.pt")
     assert result["global_step"] == 3
     assert {"val/accuracy", "policy/grad_norm", "policy/kl_ref"} <= set(result["metrics"])
     ranks = result["ranks"]
     assert all(r["sharded"] and not r["reference_sharded"] for r in ranks)
     # each rank holds half the policy's weights and a whole frozen reference
     assert ranks[0]["policy_local_bytes"] * 2 == ranks[0]["reference_bytes"]
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").state_dict()
+    reloaded = AutoModelForCausalLM.from_pretrained(out / "policy").state_dict()
     trained = result["weights"]
     assert set(reloaded) == set(trained)
     assert max((reloaded[k] - trained[k]).abs().max().item() for k in trained) == 0.0
-    assert AutoTokenizer.from_pretrained(tmp_path / "policy").decode([5]) != ""
+    assert AutoTokenizer.from_pretrained(out / "policy").decode([5]) != ""
 
 
 def _reloads_exactly(folder: Path, trained: dict) -> None:
@@ -76,11 +72,13 @@ def _reloads_exactly(folder: Path, trained: dict) -> None:
     assert max((reloaded[k] - trained[k]).abs().max().item() for k in trained) == 0.0
 
 
-def test_fsdp2_dapo_fit_with_dynamic_sampling_validates_unevenly_and_exports(tmp_path):
+@distributed
+@pytest.mark.ranks("fsdp2/dapo")
+def test_fsdp2_dapo_fit_with_dynamic_sampling_validates_unevenly_and_exports(rank_jobs):
     """Rank 0 keeps every group, rank 1 only some: the ranks' rollouts and micro-batch counts differ, yet
     generation rounds, micro-batches and forwards are agreed (a disagreement hangs, killed by the timeout)."""
-    _launch("fsdp2_fit.py", str(tmp_path), "dapo", "3", timeout=300)
-    result = torch.load(tmp_path / "result.pt")
+    out = rank_jobs.out("fsdp2/dapo")
+    result = torch.load(out / "result.pt")
     assert result["global_step"] == 3
     assert {"val/accuracy", "rollout/gen_batches", "rollout/filtered_group_frac"} <= set(result["metrics"])
     r0, r1 = (r["steps"] for r in result["ranks"])
@@ -91,25 +89,28 @@ def test_fsdp2_dapo_fit_with_dynamic_sampling_validates_unevenly_and_exports(tmp
     for a, b in zip(r0, r1, strict=True):
         assert a["refills_consumed"] == b["refills_consumed"]  # the same rounds on both ranks
         assert a["logged"] == b["logged"]  # the same (reduced) metrics, the same key set
-    _reloads_exactly(tmp_path / "policy", result["weights"])
+    _reloads_exactly(out / "policy", result["weights"])
 
 
-def test_fsdp2_uneven_scoring_passes_agree_before_any_forward(tmp_path):
+@distributed
+@pytest.mark.ranks("fsdp2/dapo-kl")
+def test_fsdp2_uneven_scoring_passes_agree_before_any_forward(rank_jobs):
     """DAPO with LoRA, a KL reference running the sharded weights with adapters off, and 2 minibatches
     (behaviour log-probs): the ranks score different numbers of rows in every pass (rank 1 keeps 4 where
     rank 0 keeps 8), so each pass agrees its forward count over ranks before its first forward (agreeing
     after them let one rank's all-reduce meet another's weight gather: a hang, here killed by the timeout)."""
-    _launch("fsdp2_fit.py", str(tmp_path), "dapo_kl", "4", timeout=300)
-    result = torch.load(tmp_path / "result.pt")
+    result = torch.load(rank_jobs.out("fsdp2/dapo-kl") / "result.pt")
     assert result["global_step"] == 4 and "policy/kl_ref" in result["metrics"]
     r0, r1 = (r["steps"] for r in result["ranks"])
     assert any(a["kept"] != b["kept"] for a, b in zip(r0, r1, strict=True))
     assert all(a["logged"] == b["logged"] for a, b in zip(r0, r1, strict=True))
 
 
-def test_fsdp2_dpo_fit_validates_and_exports(tmp_path):
-    _launch("fsdp2_fit.py", str(tmp_path), "dpo", "3", timeout=300)
-    result = torch.load(tmp_path / "result.pt")
+@distributed
+@pytest.mark.ranks("fsdp2/dpo")
+def test_fsdp2_dpo_fit_validates_and_exports(rank_jobs):
+    out = rank_jobs.out("fsdp2/dpo")
+    result = torch.load(out / "result.pt")
     assert result["global_step"] == 3
     assert {"train/loss", "val/loss", "val/accuracy", "val/rewards/accuracy"} <= set(result["metrics"])
     ranks = result["ranks"]
@@ -117,19 +118,20 @@ def test_fsdp2_dpo_fit_validates_and_exports(tmp_path):
     assert ranks[0]["policy_local_bytes"] * 2 == ranks[0]["reference_bytes"]  # a whole reference per rank
     losses = [s["logged"]["train/loss"] for s in ranks[0]["steps"]]
     assert len(set(losses)) > 1  # the policy moved away from the reference
-    _reloads_exactly(tmp_path / "policy", result["weights"])
+    _reloads_exactly(out / "policy", result["weights"])
 
 
-def test_fsdp2_grpo_resumes_exactly_from_a_sharded_checkpoint(tmp_path):
+@distributed
+@pytest.mark.ranks("fsdp2/resume")
+def test_fsdp2_grpo_resumes_exactly_from_a_sharded_checkpoint(rank_jobs):
     """4 steps in one go vs 2 steps, a distributed checkpoint (a folder of shards), and 2 more: the same
     metrics, weights and, on each rank, its own RNG state (ranks are seeded differently). The resumed run
-    finds the folder as `--ckpt_path last` does."""
-    _launch("fsdp2_fit.py", str(tmp_path / "full"), "resume", "4", timeout=300)
-    (ckpt,) = (tmp_path / "full" / "ckpt").glob("*step=2.ckpt")
+    finds the folder, copied alone into its own checkpoint folder, as `--ckpt_path last` does."""
+    out = rank_jobs.out("fsdp2/resume")
+    (ckpt,) = (out / "full" / "ckpt").glob("*step=2.ckpt")
     assert ckpt.is_dir() and len(list(ckpt.glob("*.distcp"))) == 2
-    shutil.copytree(ckpt, tmp_path / "resumed" / "ckpt" / ckpt.name)
-    _launch("fsdp2_fit.py", str(tmp_path / "resumed"), "resume", "4", "last", timeout=300)
-    full, resumed = (torch.load(tmp_path / run / "result.pt") for run in ("full", "resumed"))
+    assert (out / "resumed" / "ckpt" / ckpt.name).is_dir()  # the copy the resumed run found
+    full, resumed = (torch.load(out / run / "result.pt") for run in ("full", "resumed"))
     assert full["global_step"] == resumed["global_step"] == 4
     rng = []
     for rank in (0, 1):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CONFIGS, launch, make, make_trainer, run_cli, scalars
+from helpers import CONFIGS, make, make_trainer, run_cli, scalars
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_rl.adapters import PEFT_EXTRA, base_state_dict
@@ -256,10 +256,9 @@ def test_lora_config_from_the_command_line_a_short_class_name_or_an_instance(tmp
 
 
 # ---- 2 ranks ------------------------------------------------------------------------------------------
-def _launch_lora(out: Path, strategy: str) -> dict:
-    launch(HERE / "fsdp2_fit.py", str(out), "lora", "3", cwd=HERE.parent, env={"STRATEGY": strategy},
-           timeout=300)
-    return torch.load(out / "result.pt")
+def _lora_run(rank_jobs, strategy: str) -> tuple[Path, dict]:
+    out = rank_jobs.out(f"{strategy}/lora")  # tests/fsdp2_fit.py lora 3
+    return out, torch.load(out / "result.pt")
 
 
 def _check_exports(out: Path, weights: dict[str, torch.Tensor], embedded: dict[str, torch.Tensor]) -> None:
@@ -274,18 +273,22 @@ def _check_exports(out: Path, weights: dict[str, torch.Tensor], embedded: dict[s
     torch.testing.assert_close(logits(merged), logits(adapter), rtol=0, atol=1e-5)
 
 
-def test_fsdp2_grpo_with_lora_fits_shards_the_base_and_exports_both_forms(tmp_path, embedded):
-    result = _launch_lora(tmp_path, "fsdp2")
+@pytest.mark.distributed
+@pytest.mark.ranks("fsdp2/lora")
+def test_fsdp2_grpo_with_lora_fits_shards_the_base_and_exports_both_forms(rank_jobs, embedded):
+    out, result = _lora_run(rank_jobs, "fsdp2")
     assert result["global_step"] == 3 and {"val/accuracy", "policy/kl_ref"} <= set(result["metrics"])
     ranks = result["ranks"]
     assert all(r["sharded"] and r["reference_bytes"] == 0 for r in ranks)  # the reference is the policy
-    _check_exports(tmp_path, result["weights"], embedded)
+    _check_exports(out, result["weights"], embedded)
 
 
-def test_ddp_grpo_with_lora_keeps_the_ranks_adapters_identical(tmp_path, embedded):
-    result = _launch_lora(tmp_path, "ddp")
+@pytest.mark.distributed
+@pytest.mark.ranks("ddp/lora")
+def test_ddp_grpo_with_lora_keeps_the_ranks_adapters_identical(rank_jobs, embedded):
+    out, result = _lora_run(rank_jobs, "ddp")
     assert result["global_step"] == 3
     a, b = (r["adapters"] for r in result["ranks"])
     assert set(a) == set(b) and all("lora_" in k for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    _check_exports(tmp_path, result["weights"], embedded)
+    _check_exports(out, result["weights"], embedded)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CONFIGS, launch, make, make_trainer, run_cli, scalars
+from helpers import CONFIGS, make, make_trainer, run_cli, scalars
+from rank_jobs import run_here
 
 from lightning_rl.algorithms import GRPO, PPO
 from lightning_rl.callbacks.base import RLCallback
@@ -111,23 +112,22 @@ def test_ppo_refuses_deepspeed_naming_what_works():
 
 
 # ---- one update: the same gradients on any micro-batching and world size --------------------------------
-def _update(out: Path, devices: int, strategy: str, micro: str) -> dict:
-    launch(HERE / "ppo_update.py", str(out), str(devices), strategy, micro, cwd=HERE.parent, timeout=240)
+@pytest.fixture(scope="module")
+def single_update(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("ppo") / "single.pt"
+    run_here("ppo_update.py", out, "1", "auto", "none")  # in this process
     return torch.load(out)
 
 
-@pytest.fixture(scope="module")
-def single_update(tmp_path_factory) -> dict:
-    return _update(tmp_path_factory.mktemp("ppo") / "single.pt", 1, "auto", "none")
-
-
-@pytest.mark.parametrize(("devices", "strategy"), [(2, "ddp"), (2, "fsdp2")])
-def test_policy_and_critic_gradients_do_not_depend_on_micro_batches_or_ranks(tmp_path, single_update,
-                                                                            devices, strategy):
+@pytest.mark.distributed
+@pytest.mark.ranks("ppo/ddp", "ppo/fsdp2")
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_policy_and_critic_gradients_do_not_depend_on_micro_batches_or_ranks(rank_jobs, single_update,
+                                                                            strategy):
     """16 rows; ranks take rows rank::2 (different token counts) in micro-batches of 3, against one process
     with one micro-batch. The value loss is normalised by the minibatch's global token count like the
     policy loss, so both models' gradients are the same (FSDP2 shards the critic too)."""
-    other = _update(tmp_path / "other.pt", devices, strategy, "3")
+    other = torch.load(rank_jobs.out(f"ppo/{strategy}") / "result.pt")
     assert other["sharded"] == (strategy == "fsdp2")
     for part in ("policy.", "critic."):
         names = [k for k in single_update["grads"] if k.startswith(part)]

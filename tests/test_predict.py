@@ -7,16 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CONFIGS, launch, make, make_trainer, run_cli
+from helpers import CONFIGS, make, make_trainer, run_cli
+from rank_jobs import PREDICT_ROWS
 
 from lightning_rl.callbacks import WritePredictions
 from lightning_rl.data import PromptDataModule
 from lightning_rl.rewards import exact_match
 
-DDP_PREDICT = Path(__file__).with_name("ddp_predict.py")
 # held-out sort-task rows, and one the warm-started model gets right greedily ("80684=")
-ROWS = [("44935=", "34459"), ("80684=", "04688"), ("32205=", "02235"), ("71148=", "11478"),
-        ("90217=", "01279")]
+ROWS = PREDICT_ROWS
 FIELDS = {"index", "sample", "prompt", "answer", "completion", "reward", "correct", "length"}
 QUIET = ["--trainer.enable_progress_bar", "false"]
 
@@ -125,14 +124,17 @@ def test_trainer_predict_adds_the_writer_itself(tmp_path):
     assert any(isinstance(cb, WritePredictions) for cb in trainer.callbacks)
 
 
-def test_predict_on_two_ranks_writes_each_prompt_once(tmp_path):
-    """5 prompts in batches of 2 on 2 ranks: rank 1 runs a placeholder batch, which is not written."""
-    prompts = prompt_file(tmp_path)
-    launch(DDP_PREDICT, prompts, tmp_path, "2", cwd=tmp_path)
-    greedy, sampled = (read_jsonl(tmp_path / f"{name}.jsonl") for name in ("greedy", "sampled"))
+@pytest.mark.distributed
+@pytest.mark.ranks("ddp/predict")
+def test_predict_on_two_ranks_writes_each_prompt_once(tmp_path, rank_jobs):
+    """5 prompts in batches of 2 on 2 ranks (tests/ddp_predict.py): rank 1 runs a placeholder batch, which
+    is not written."""
+    prompts, out = prompt_file(tmp_path), rank_jobs.out("ddp/predict")
+    assert (out / "heldout.jsonl").read_text() == prompts.read_text()  # the job's prompts are these ROWS
+    greedy, sampled = (read_jsonl(out / f"{name}.jsonl") for name in ("greedy", "sampled"))
     assert [(r["index"], r["prompt"]) for r in greedy] == [(i, p) for i, (p, _) in enumerate(ROWS)]
     assert [(r["index"], r["sample"]) for r in sampled] == [(i, s) for i in range(len(ROWS)) for s in (0, 1)]
-    check_summary(sampled, json.loads((tmp_path / "sampled_summary.json").read_text()))
+    check_summary(sampled, json.loads((out / "sampled_summary.json").read_text()))
     # greedy completions do not depend on the world size
     one = tmp_path / "one.jsonl"
     make_trainer(tmp_path, callbacks=[WritePredictions(output=str(one))]).predict(

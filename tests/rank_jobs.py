@@ -1,0 +1,166 @@
+"""Every multi-process run of the suite, by name, and the one launch that runs those a session needs.
+
+A test marked ``@pytest.mark.ranks("fsdp2/grpo")`` (and ``distributed``) asks the session fixture
+``rank_jobs`` (tests/conftest.py) for that run's folder. The fixture collects the names of every selected
+test, starts the two ranks once (``tests/ranks.py``) and runs those jobs in the order of ``JOBS``; each test
+then reads its own job's files, and a job that failed or hung fails the tests that read it, with the log.
+
+In a step, ``{out}`` is the job's own folder. Runs that check launchers, signals or a rank failing on its
+own (tests/test_multinode.py, tests/test_signals.py) start their processes themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+def run(script: str, *args: str, **env: str) -> dict:
+    return {"script": str(HERE / script), "args": list(args), "env": env}
+
+
+def copy(pattern: str, folder: str) -> dict:
+    return {"copy": [pattern, folder]}
+
+
+def resume(strategy: str) -> list[dict]:
+    """GRPO 4 steps with a sharded checkpoint every 2; the step-2 checkpoint alone in a new folder; 2 more
+    steps from it, found there as `--ckpt_path last` finds it."""
+    return [run("fsdp2_fit.py", "{out}/full", "resume", "4", STRATEGY=strategy),
+            copy("{out}/full/ckpt/*step=2.ckpt", "{out}/resumed/ckpt"),
+            run("fsdp2_fit.py", "{out}/resumed", "resume", "4", "last", STRATEGY=strategy)]
+
+
+PREDICT_ROWS = [("44935=", "34459"), ("80684=", "04688"), ("32205=", "02235"), ("71148=", "11478"),
+                ("90217=", "01279")]
+PREDICT_PROMPTS = "".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in PREDICT_ROWS)
+
+JOBS: dict[str, list[dict]] = {
+    # gradient and update equality with one process (the single-process side runs in the test process)
+    "ddp/update": [run("ddp_update.py", "{out}/result.pt", "2", "3")],
+    "fsdp2/update-strided": [run("fsdp2_update.py", "{out}/result.pt", "2", "3", "strided")],
+    "fsdp2/update-rank0": [run("fsdp2_update.py", "{out}/result.pt", "2", "none", "rank0")],
+    "zero2/update-strided": [run("deepspeed_update.py", "{out}/result.pt", "2", "2", "3", "strided")],
+    "zero3/update-strided": [run("deepspeed_update.py", "{out}/result.pt", "2", "3", "3", "strided")],
+    "zero3/update-rank0": [run("deepspeed_update.py", "{out}/result.pt", "2", "3", "3", "rank0")],
+    "ppo/ddp": [run("ppo_update.py", "{out}/result.pt", "2", "ddp", "3")],
+    "ppo/fsdp2": [run("ppo_update.py", "{out}/result.pt", "2", "fsdp2", "3")],
+    # fits: validation on uneven ranks, exports, resumes
+    "ddp/validate": [run("ddp_validate.py", "{out}/result.json", "2")],
+    "ddp/predict": [run("ddp_predict.py", "{out}/heldout.jsonl", "{out}", "2")],
+    "ddp/starve": [run("ddp_collectives.py", "{out}/run", "2", "2", COLLECTIVES_MODE="starve")],
+    "ddp/partial-resume": [
+        run("ddp_collectives.py", "{out}/full", "2", "4", COLLECTIVES_MODE="partial"),
+        run("ddp_collectives.py", "{out}/resumed", "2", "4", "glob:{out}/full.ckpt/*step=2.ckpt",
+            COLLECTIVES_MODE="partial")],
+    "ddp/dpo-metrics": [run("ddp_collectives.py", "{out}/run", "2", "2", COLLECTIVES_MODE="dpo")],
+    "ddp/episodes": [run("episodes_fit.py", "{out}", "ddp")],
+    "ddp/engine": [run("engine_sync.py", "{out}", "ddp")],
+    "ddp/lora": [run("fsdp2_fit.py", "{out}", "lora", "3", STRATEGY="ddp")],
+    "fsdp2/grpo": [run("fsdp2_fit.py", "{out}")],
+    "fsdp2/dapo": [run("fsdp2_fit.py", "{out}", "dapo", "3")],
+    "fsdp2/dapo-kl": [run("fsdp2_fit.py", "{out}", "dapo_kl", "4")],
+    "fsdp2/dpo": [run("fsdp2_fit.py", "{out}", "dpo", "3")],
+    "fsdp2/resume": resume("fsdp2"),
+    "fsdp2/episodes": [run("episodes_fit.py", "{out}", "fsdp2")],
+    "fsdp2/engine": [run("engine_sync.py", "{out}", "fsdp2")],
+    "fsdp2/lora": [run("fsdp2_fit.py", "{out}", "lora", "3", STRATEGY="fsdp2")],
+    "zero3/dapo": [run("fsdp2_fit.py", "{out}", "dapo", "3", STRATEGY="zero3")],
+    "zero3/resume": resume("zero3"),
+}
+# files a job reads, written before the launch
+FILES: dict[str, dict[str, str]] = {"ddp/predict": {"heldout.jsonl": PREDICT_PROMPTS}}
+JOB_TIMEOUT = 300  # seconds one job may run before the launch is killed (the longest takes ~40 s)
+
+
+def folder_name(name: str) -> str:
+    return name.replace("/", "-")
+
+
+def expand(step: dict, out: Path) -> dict:
+    fill = lambda s: s.replace("{out}", str(out))  # noqa: E731
+    if "copy" in step:
+        return {"copy": [fill(s) for s in step["copy"]]}
+    return {**step, "args": [fill(a) for a in step["args"]]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_ranks(names: list[str], folder: Path, world: int = 2) -> None:
+    """Run the jobs ``names`` (in ``JOBS`` order) on ``world`` gloo ranks started at once, each in its own
+    session; kill every rank when one job runs past ``JOB_TIMEOUT`` (a hung gloo rank ignores SIGTERM)."""
+    jobs = []
+    for name in sorted(set(names), key=list(JOBS).index):
+        out = folder / folder_name(name)
+        out.mkdir(parents=True, exist_ok=True)
+        for file, text in FILES.get(name, {}).items():
+            (out / file).write_text(text)
+        jobs.append({"name": folder_name(name), "steps": [expand(s, out) for s in JOBS[name]]})
+    spec = folder / "jobs.json"
+    spec.write_text(json.dumps(jobs, indent=1))
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+            "WORLD_SIZE": str(world), "NODE_RANK": "0"}
+    procs = []
+    for rank in range(world):
+        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        with open(folder / f"rank{rank}.log", "wb") as log:
+            argv = [sys.executable, str(HERE / "ranks.py"), str(spec)]
+            procs.append(subprocess.Popen(argv, cwd=HERE.parent, env=env, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+    while any(p.poll() is None for p in procs):
+        running = [j["name"] for j in jobs if (folder / f"{j['name']}.started").exists()
+                   and not (folder / f"{j['name']}.done").exists()]
+        started = (folder / f"{running[-1]}.started") if running else spec
+        if time.time() - started.stat().st_mtime > JOB_TIMEOUT:
+            (folder / "hung").write_text(running[-1] if running else "(start)")
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, 9)
+        time.sleep(0.2)
+
+
+def tail(path: Path, chars: int = 3000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else "(no log)"
+
+
+class RankJobs:
+    """The folders of one launch's jobs; ``out(name)`` fails the calling test unless its job completed."""
+
+    def __init__(self, folder: Path, names: list[str]) -> None:
+        self.folder, self.names = folder, names
+        self.launched = False
+
+    def out(self, name: str) -> Path:
+        if name not in self.names:
+            pytest.fail(f"job {name!r} is not in this session's launch: mark the test ranks({name!r})")
+        if not self.launched:
+            self.launched = True
+            launch_ranks(self.names, self.folder)
+        done = self.folder / f"{folder_name(name)}.done"
+        if not done.exists():
+            hung = self.folder / "hung"
+            why = (f"hung in job {hung.read_text()} (killed after {JOB_TIMEOUT} s)" if hung.exists()
+                   else "failed")
+            logs = "\n".join(f"---- rank {r}\n" + tail(self.folder / f"rank{r}.log") for r in range(2))
+            pytest.fail(f"job {name} did not complete: the 2-rank launch {why}\n{logs}")
+        return self.folder / folder_name(name)
+
+
+def run_here(script: str, *args: str, **env: str) -> None:
+    """``python tests/<script> args...`` in this process (a single-process reference run)."""
+    from ranks import run_script
+
+    run_script(str(HERE / script), [str(a) for a in args], env, forget=False)
