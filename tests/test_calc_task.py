@@ -77,6 +77,7 @@ def test_trace_rows_are_the_episode_token_sequence():
         tool_trace_rows({"prompt": "50318=", "answer": "01358"})
 
 
+@pytest.mark.slow
 def test_prompt_data_module_tasks():
     dm = PromptDataModule(task="multiply", batch_size=4)
     dm.setup("fit")

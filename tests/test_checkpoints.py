@@ -118,6 +118,7 @@ def rl_fit(tmp_path, max_steps=3, **trainer_kw):
     return trainer, writes
 
 
+@pytest.mark.slow
 def test_a_run_without_a_checkpoint_callback_keeps_one_last_checkpoint(tmp_path):
     # Lightning's stock ModelCheckpoint wrote a full checkpoint after each of the 3 validations
     trainer, writes = rl_fit(tmp_path)
@@ -128,6 +129,7 @@ def test_a_run_without_a_checkpoint_callback_keeps_one_last_checkpoint(tmp_path)
     assert saved_step(folder / "last.ckpt") == 3
 
 
+@pytest.mark.slow
 def test_a_configured_checkpoint_callback_and_checkpointing_off_are_left_alone(tmp_path):
     own = ModelCheckpoint(dirpath=str(tmp_path / "own"), every_n_train_steps=1, save_top_k=-1)
     trainer, writes = rl_fit(tmp_path, max_steps=2, callbacks=[own])

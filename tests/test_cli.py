@@ -67,6 +67,7 @@ def test_omegaconf_interpolation(tmp_path):
     assert cli.model.max_prompt_length == 9
 
 
+@pytest.mark.slow
 def test_sft_regenerates_the_embedded_model(tmp_path):
     """configs/sft.yaml from scratch reaches >= 0.3 held-out greedy accuracy; the export loads in
     transformers."""
@@ -92,6 +93,7 @@ def test_embedded_model_is_shipped():
     assert EMBEDDED_MODEL.endswith("tiny_sort")
 
 
+@pytest.mark.learning
 def test_grpo_config_learns(tmp_path):
     """The demo config, cut to 50 steps, lifts held-out greedy accuracy well above the warm start (0.562)."""
     run_cli("fit", "--config", CONFIGS / "grpo.yaml", "--trainer.max_steps", "50",
@@ -105,6 +107,7 @@ def test_grpo_config_learns(tmp_path):
     assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10, "training reward should rise"
 
 
+@pytest.mark.slow
 def test_startup_drops_lightnings_tips_and_its_torch_deprecation_only(tmp_path):
     """``main`` silences Lightning's litlogger / litmodels tips and the ``LeafSpec`` deprecation torch 2.13
     raises inside Lightning's pytree code; Lightning's other lines and other warnings still print."""

@@ -17,6 +17,8 @@ from helpers import CONFIGS, ROOT, run_cli, scalars
 
 from lightning_rl.cli import ConfigError
 
+pytestmark = pytest.mark.slow
+
 TINY = ["--data.init_args.batch_size", "2", "--model.init_args.num_generations", "2",
         "--data.init_args.max_val_rows", "8", "--data.init_args.val_batch_size", "8",
         "--trainer.num_sanity_val_steps", "0"]

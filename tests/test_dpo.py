@@ -247,6 +247,7 @@ def fit(save_dir: Path, *extra: str) -> dict[str, dict[int, float]]:
     return scalars(save_dir)
 
 
+@pytest.mark.slow
 def test_cli_fit_trains_and_logs_every_metric(tmp_path):
     logged = fit(
         tmp_path,
@@ -278,6 +279,7 @@ def small_data(tmp_path: Path) -> list[str]:
             "--trainer.enable_checkpointing=false"]
 
 
+@pytest.mark.slow
 def test_cli_precomputed_reference_trains_like_on_the_fly(tmp_path):
     data = small_data(tmp_path)
     steps = ["--trainer.max_steps=3", "--trainer.val_check_interval=3"]
@@ -289,6 +291,7 @@ def test_cli_precomputed_reference_trains_like_on_the_fly(tmp_path):
             assert cached[name][step] == pytest.approx(value, abs=1e-5), (name, step)
 
 
+@pytest.mark.slow
 def test_cli_resume_continues_exactly(tmp_path):
     data = [*small_data(tmp_path), "--trainer.limit_val_batches=0"]
     overlay = tmp_path / "ckpt.yaml"

@@ -137,6 +137,7 @@ def small_data(tmp_path: Path) -> list[str]:
     return [f"--data.init_args.path={train}", f"--data.init_args.val_path={val}"]
 
 
+@pytest.mark.slow
 def test_cli_step0_ties_val_steps_and_perf(tmp_path, caplog, capfd):
     """bf16-mixed with a precomputed reference: the cache used to be scored outside autocast, so every
     margin at step 0 was float noise (held-out preference accuracy 0.48 instead of 0)."""

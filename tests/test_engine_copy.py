@@ -57,6 +57,7 @@ def test_fp32_copy_gives_the_trainers_logprobs_and_unit_weights(tmp_path):
     assert record.engine_diff == [0.0, 0.0]  # synced before each rollout
 
 
+@pytest.mark.slow
 def test_bf16_engine_is_synced_every_step_and_its_gap_is_measured(tmp_path):
     module, record = _fit(tmp_path, CopyEngine("bfloat16"), steps=3,
                           optimizer=partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0))
@@ -94,6 +95,7 @@ def test_a_stale_engine_is_corrected(tmp_path):
     assert all(torch.isfinite(p).all() for p in module.policy.parameters())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level,mode", [("token", "truncate"), ("sequence", "mask")])
 def test_gradient_with_the_correction_does_not_depend_on_micro_batch_size(tmp_path, level, mode):
     grads = {}
@@ -144,6 +146,7 @@ def test_engine_weights_follow_the_trained_weights_on_two_ranks(rank_jobs, kind)
 OVERLAY_RUNS = ["grpo", "dapo", "ppo", "dpo"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", OVERLAY_RUNS)
 def test_bf16_overlay_runs_every_algorithm_through_the_cli(tmp_path, name):
     """configs/precision/bf16.yaml composes with any algorithm config: bf16 engine, bf16-mixed training,

@@ -237,6 +237,7 @@ def test_ranks_with_uneven_turn_counts_make_the_same_collectives(rank_jobs, stra
     assert {"rollout/turns_mean", "rollout/env_time", "val/accuracy", "policy/loss"} <= set(metrics)
 
 
+@pytest.mark.slow
 def test_tool_config_trains_predicts_and_shows_turns_through_the_cli(tmp_path):
     """configs/grpo_tools.yaml through the real CLI: two steps whose sample tables show each turn (model text
     and tool results apart), then `predict` writes every turn of every episode to the JSONL."""
@@ -290,6 +291,7 @@ class Capture(RLCallback):
 LORA = {"class_path": "peft.LoraConfig", "init_args": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dapo", "ppo", "lora"])
 def test_algorithms_train_on_episodes(tmp_path, kind):
     """DAPO (dynamic sampling, overlong shaping over the episode budget), PPO (a critic: values, returns and

@@ -146,6 +146,7 @@ def test_vocabulary_smaller_than_the_tokenizer_fails_at_load(tmp_path):
 
 
 # ---- scoring functions and the data's columns ------------------------------------------------------------
+@pytest.mark.slow
 def test_dynamic_sampling_without_answers_names_the_correctness_keys(tmp_path):
     """dapo.yaml's reward (exact_match) also decides correctness: without an answer column it used to fail
     at the first step with `exact_match() missing 1 required positional argument: 'answer'`."""
@@ -160,6 +161,7 @@ def test_dynamic_sampling_without_answers_names_the_correctness_keys(tmp_path):
     assert "set `data.init_args.answer_column` to the column holding the reference answers" in line
 
 
+@pytest.mark.slow
 def test_a_correctness_fn_that_needs_missing_columns_names_its_key(tmp_path):
     data = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": r["prompt"]} for r in ROWS])
     line = fails(tmp_path, "--data.init_args.path", data, "--data.init_args.answer_column", "null",
@@ -171,6 +173,7 @@ def test_a_correctness_fn_that_needs_missing_columns_names_its_key(tmp_path):
     assert f"`data.path`={data}" in line and "`data.init_args.answer_column`" in line
 
 
+@pytest.mark.slow
 def test_validation_rows_without_the_accuracy_columns_name_the_val_file(tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", ROWS)
     val = write_jsonl(tmp_path / "val.jsonl", [{"prompt": r["prompt"], "solution": r["answer"]}
@@ -182,6 +185,7 @@ def test_validation_rows_without_the_accuracy_columns_name_the_val_file(tmp_path
 
 
 # ---- warnings: lr 0, a slow reward function --------------------------------------------------------------
+@pytest.mark.slow
 def test_lr_zero_and_a_slow_reward_function_warn_once(tmp_path, recwarn):
     main(fit_args(tmp_path, "--model.init_args.optimizer.init_args.lr", "0", "--model.init_args.reward_fns",
                   f"[{HERE}:slow_reward]", "--trainer.limit_val_batches", "0", "--trainer.max_steps", "2"))
@@ -210,6 +214,7 @@ def test_lr_zero_warns_only_when_no_rate_ever_moves():
     assert not warned(1e-3) and not warned(1e-3, warmup)  # a warmup from 0 is fine
 
 
+@pytest.mark.slow
 def test_reward_timings_name_the_slowest_function_once():
     scorer = RewardScorer([f"{HERE}:length_reward", f"{HERE}:slow_reward"])
     pipeline = RewardPipeline(scorer, lambda prompts, completions, **_: [False] * len(completions))

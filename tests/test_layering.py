@@ -26,6 +26,7 @@ PUBLIC_IMPORTS = sorted(
 )
 
 
+@pytest.mark.slow
 def test_core_modules_import_no_data_or_callbacks():
     # one fresh interpreter for all: what the modules import together is the union of what each imports
     code = (f"import sys, {', '.join(CORE)}\n"

@@ -13,6 +13,8 @@ from helpers import CONFIGS, make, make_trainer, run_cli, scalars
 from lightning_rl.algorithms import GRPO
 from lightning_rl.data import PromptDataModule
 
+pytestmark = pytest.mark.learning
+
 # what every run shares: 16 prompts x 8 samples per rollout, AdamW lr 1e-4, all 256 held-out prompts
 COMMON = ["--seed_everything", "0", "--model.init_args.rollout_seed", "0",
           "--model.init_args.num_generations", "8", "--model.init_args.max_new_tokens", "8",

@@ -60,6 +60,7 @@ def test_moved_policy_with_top_k_top_p_gives_finite_loss_kl_and_gradient(ratio_l
     assert sum(float(g.abs().sum()) for g in grads) > 0
 
 
+@pytest.mark.slow
 def test_grpo_run_with_top_k_top_p_logs_finite_loss_and_kl_every_step(tmp_path):
     module = make(GRPO, top_k=5, top_p=0.9, kl_coef=0.04, optimizer=partial(torch.optim.AdamW, lr=3e-3))
     trainer = make_trainer(tmp_path, max_steps=8, logger=CSVLogger(str(tmp_path)), log_every_n_steps=1)
@@ -103,6 +104,7 @@ class NormProbe(RLCallback):
             self.norms.append(float(trainer.callback_metrics["policy/grad_norm"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_grad_norm", [1e-3, None])
 def test_max_grad_norm_bounds_the_update(tmp_path, max_grad_norm):
     # Plain SGD with lr 1: the parameter change is exactly the (clipped) gradient.
@@ -119,6 +121,7 @@ def test_max_grad_norm_bounds_the_update(tmp_path, max_grad_norm):
         assert step == pytest.approx(max_grad_norm, rel=1e-4)  # ...and the update is cut to the bound
 
 
+@pytest.mark.slow
 def test_clipping_sees_unscaled_gradients_under_16_mixed(tmp_path):
     # 16-mixed scales the loss by 2**16 before backward. Clipping before the precision plugin unscales
     # would cut the scaled gradient to 1e-3 and the step would then be 1e-3 / 65536; clipped in
@@ -136,6 +139,7 @@ def test_clipping_sees_unscaled_gradients_under_16_mixed(tmp_path):
     assert step == pytest.approx(1e-3, rel=1e-3)
 
 
+@pytest.mark.slow
 def test_grpo_runs_in_bf16_mixed_on_cpu(tmp_path):
     module = make(GRPO, kl_coef=0.04)
     before = [p.detach().clone() for p in module.policy.parameters()]
@@ -151,6 +155,7 @@ def test_grpo_runs_in_bf16_mixed_on_cpu(tmp_path):
     assert any(not torch.equal(p, b) for p, b in zip(module.policy.parameters(), before, strict=True))
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_gives_the_same_update(tmp_path):
     def one_step(checkpointing: bool) -> list[torch.Tensor]:
         # prompts are shared only without checkpointing (float rounding would differ): off in both

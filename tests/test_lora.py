@@ -59,6 +59,7 @@ def optimised(optimizer) -> set[int]:
     return {id(p) for group in optimizer.param_groups for p in group["params"]}
 
 
+@pytest.mark.slow
 def test_grpo_lora_yaml_trains_only_the_adapters_and_exports_the_adapter_folder(tmp_path, embedded):
     cli = run_cli("fit", "--config", CONFIGS / "grpo_lora.yaml", "--trainer.max_steps", "2", *SMALL,
                   "--trainer.val_check_interval", "2",  # validation at step 2 writes the checkpoint
@@ -127,6 +128,7 @@ def _fit(tmp_path, name: str, ckpt: Path, max_steps: int, resume: bool = False, 
     return cli.model, scalars(run), run / "policy"
 
 
+@pytest.mark.slow
 def test_lora_run_resumes_exactly_and_exports_merged_weights(tmp_path, embedded):
     """2 + 2 steps from an adapter-only checkpoint log and train exactly what 4 steps in one go do; the
     resumed run exports merged weights that plain ``AutoModelForCausalLM`` reloads."""
@@ -201,6 +203,7 @@ def test_dpo_with_lora_fits_and_exports_merged_weights(tmp_path, embedded):
     torch.testing.assert_close(logits(merged), logits(module.policy.model), rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_ppo_with_lora_trains_the_policy_adapters_and_a_full_critic(tmp_path, embedded):
     module = make(PPO, num_generations=1, peft=LORA, critic_optimizer=partial(torch.optim.AdamW, lr=1e-3))
     critic_start = {k: v.clone() for k, v in module.critic.model.model.state_dict().items()}

@@ -23,6 +23,8 @@ from safetensors.torch import load_file
 
 from lightning_rl.models import EMBEDDED_MODEL
 
+pytestmark = pytest.mark.distributed
+
 SCRIPT = Path(__file__).with_name("multinode_fit.py")
 TIMEOUT = 240
 COMPARED = ["rollout/reward_mean", "rollout/response_length_mean", "policy/loss", "policy/grad_norm",

@@ -121,6 +121,7 @@ class OptimizerSteps(L.Callback):
         self.lrs.append(optimizer.param_groups[0]["lr"])
 
 
+@pytest.mark.slow
 def test_ppo_epochs_and_minibatches_reuse_one_behaviour_snapshot(tmp_path, monkeypatch):
     clip = 0.01
     module = make(GRPO, ppo_epochs=2, num_minibatches=2, kl_coef=0.0, clip_low=clip, clip_high=clip,
@@ -159,6 +160,7 @@ def test_ppo_epochs_and_minibatches_reuse_one_behaviour_snapshot(tmp_path, monke
     assert max(bites) > 0.05  # and the narrow clip bites somewhere (a rollout whose groups all tie has A = 0)
 
 
+@pytest.mark.slow
 def test_lr_scheduler_steps_once_per_optimiser_step(tmp_path):
     lr0 = 1e-3
     module = make(GRPO, ppo_epochs=2, num_minibatches=2, micro_batch_size=4, kl_coef=0.0,
@@ -180,6 +182,7 @@ def length_reward(completions, **_):
     return [float(len(c)) for c in completions]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale", [True, False])
 def test_scale_advantages_inside_the_module(tmp_path, scale):
     # rewards: exact match + 0.1 x completion length, so groups have many different spreads
@@ -299,6 +302,7 @@ def prompt_starts_low(prompts, **_):
     return [float(p[0] < "5") for p in prompts]
 
 
+@pytest.mark.slow
 def test_correctness_fn_decides_rollout_correct_and_the_groups_dapo_keeps(tmp_path):
     module = make(DAPO, correctness_fn=f"{HERE}:odd_length", overlong_buffer=None, max_gen_batches=3)
     seen, cap = spy_generations(module), Capture()
@@ -323,6 +327,7 @@ def test_correctness_fn_decides_rollout_correct_and_the_groups_dapo_keeps(tmp_pa
     assert (rollout.rewards.view(-1, 4).std(-1) == 0).any()
 
 
+@pytest.mark.slow
 def test_correctness_fn_uniform_per_prompt_drops_every_group(tmp_path):
     module = make(DAPO, correctness_fn=f"{HERE}:prompt_starts_low", max_gen_batches=2)
     cap, before = Capture(), params(module)
@@ -367,6 +372,7 @@ def test_correctness_follows_the_main_reward_unless_accuracy_fn_is_set(caplog):
     assert explicit.accuracy_name == "lightning_rl.rewards:exact_match"
 
 
+@pytest.mark.slow
 def test_validate_and_predict_build_no_reference_fit_does(tmp_path):
     """The KL reference (a whole copy of the policy) is built for fit only, in `setup` before a resumed
     checkpoint's weights load: validate and predict never hold one."""

@@ -164,6 +164,7 @@ def update_grads(module, rollout, micro_batch_size, aggregation) -> dict[str, to
     return grads(module)
 
 
+@pytest.mark.slow
 def test_gradient_does_not_depend_on_micro_batch_size(tmp_path):
     module = make(OnlineRL, clip_low=0.2, clip_high=0.28, kl_coef=0.1, max_grad_norm=None,
                   optimizer=partial(torch.optim.SGD, lr=0.0))
@@ -205,6 +206,7 @@ def test_gradient_does_not_depend_on_micro_batch_size(tmp_path):
         assert out[(mode, "local")] > 1e-3, mode
 
 
+@pytest.mark.slow
 def test_micro_batches_on_a_single_device_match_the_whole_batch_step(tmp_path):
     """Through ``fit``: micro-batches of 2 rows take 8 forward passes per step, and the step they make is the
     whole-batch step (same rollout, same SGD update)."""
@@ -233,6 +235,7 @@ def test_micro_batches_on_a_single_device_match_the_whole_batch_step(tmp_path):
 
 
 # ------------------------------------------------------------------------------ b. behaviour log-probs
+@pytest.mark.slow
 def test_single_update_skips_the_old_policy_forward_pass(tmp_path, monkeypatch):
     module = make(GRPO, kl_coef=0.0)
     cap = Capture()
@@ -245,6 +248,7 @@ def test_single_update_skips_the_old_policy_forward_pass(tmp_path, monkeypatch):
     assert all(r.old_logp is None for r in cap.rollouts)
 
 
+@pytest.mark.slow
 def test_single_update_gradient_equals_recorded_old_logprobs(tmp_path, monkeypatch):
     module = make(GRPO, max_grad_norm=None, optimizer=partial(torch.optim.SGD, lr=0.0))
     policy_calls = spy_policy_scoring(monkeypatch, module)
@@ -296,6 +300,7 @@ class OldLogpCheck(RLCallback):
         self.rollout, self.seen = rollout, 0
 
 
+@pytest.mark.slow
 def test_two_minibatches_record_old_logprobs_once_per_step(tmp_path, monkeypatch):
     module = make(GRPO, num_minibatches=2, kl_coef=0.0)
     policy_logprob_calls = spy_policy_scoring(monkeypatch, module)
@@ -329,6 +334,7 @@ CLIP = ["policy/clip_frac_low", "policy/clip_frac_high"]
      ["policy/kl_ref", "policy/gate_weight_mean"]),
     (SAPO, {}, 3, 3, ["policy/gate_weight_mean"], ["policy/kl_ref", *CLIP]),  # a soft gate: nothing clips
 ], ids=["GRPO", "GSPO", "DAPO", "SAPO"])
+@pytest.mark.slow
 def test_end_to_end(tmp_path, cls, kw, max_steps, rl_steps, extra, absent):
     module = make(cls, **kw)
     before = params(module)
@@ -418,6 +424,7 @@ def fit_expecting(module, tmp_path, exc, match, dm=None):
     return trainer
 
 
+@pytest.mark.slow
 def test_raising_reward_names_the_function(tmp_path):
     module = make(reward_fns=[f"{HERE}:raising_reward"])
     fit_expecting(module, tmp_path, RewardError,
@@ -429,6 +436,7 @@ def test_nan_reward_names_function_and_sample(tmp_path):
     fit_expecting(module, tmp_path, RewardError, rf"`{HERE}:nan_reward` returned nan for sample 2")
 
 
+@pytest.mark.slow
 def test_reward_errors_zero_mode_scores_zero_and_counts(tmp_path):
     module = make(reward_fns=[f"{HERE}:aligned_or_nan"], on_reward_error="zero")
     cap = Capture()
@@ -546,6 +554,7 @@ def test_dapo_overlong_buffer_defaults():
 
 
 # ---------------------------------------------------------------------------- f. truncation, overlong
+@pytest.mark.slow
 def test_mask_truncated_zeroes_truncated_rows(tmp_path):
     module = make(GRPO, max_new_tokens=2, mask_truncated=True, kl_coef=0.0, max_grad_norm=None,
                   optimizer=partial(torch.optim.SGD, lr=0.0))

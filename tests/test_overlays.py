@@ -57,6 +57,7 @@ def test_overlay_sets_only_trainer_strategy_keys(overlay):
     assert set(data["trainer"]) <= {"strategy", "num_nodes"}, data["trainer"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.stem)
 def test_overlay_composes_with_algorithm_config(overlay, algorithm, capsys):
@@ -97,6 +98,7 @@ def test_multinode_overlay_instantiates(tmp_path):
     assert cli.trainer.num_nodes == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_fsdp2_overlay_instantiates(tmp_path, algorithm):
     cli = build(tmp_path, algorithm, "fsdp2.yaml")
@@ -208,6 +210,7 @@ def test_example_resolves_through_the_cli(capsys):
     assert (data["prompt_column"], data["answer_column"]) == ("question", "answer")
 
 
+@pytest.mark.slow
 def test_example_runs_one_step_on_cpu_with_a_tiny_qwen2(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

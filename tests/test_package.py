@@ -20,6 +20,7 @@ def test_bare_import_refused(name):
     assert f"this package is `lightning_rl.{name}`" in proc.stderr
 
 
+@pytest.mark.slow
 def test_wheel_contains_every_module_under_lightning_rl(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",

@@ -151,6 +151,7 @@ class Snapshots(RLCallback):
                              module.critic.model.score.weight.detach().clone()))
 
 
+@pytest.mark.slow
 def test_critic_warmup_trains_only_the_critic_then_both(tmp_path):
     torch.manual_seed(0)
     module = make(PPO, critic_warmup=2, critic_optimizer=partial(torch.optim.AdamW, lr=1e-3))
@@ -199,6 +200,7 @@ def _fit(tmp_path, name: str, max_steps: int, resume: bool = False) -> dict:
     return scalars(tmp_path / name)
 
 
+@pytest.mark.slow
 def test_killed_ppo_run_resumes_exactly_and_exports_policy_and_critic(tmp_path):
     """Policy, critic, both optimisers, the adaptive KL coefficient and the data position come back: the
     resumed steps log what the uninterrupted run logged."""
@@ -257,6 +259,7 @@ class Rollouts(RLCallback):
         self.seen.append(rollout)
 
 
+@pytest.mark.slow
 def test_reward_model_scores_are_added_to_the_reward_functions(tmp_path, reward_folder):
     """rewards = exact_match + 0.5 x the reward model's score of the rendered prompt + completion text."""
     from lightning_rl.reward_model import RewardModelScorer
@@ -278,6 +281,7 @@ def test_reward_model_scores_are_added_to_the_reward_functions(tmp_path, reward_
     assert make(PPO, reward_model=str(reward_folder)).rewards is None
 
 
+@pytest.mark.slow
 def test_reward_model_then_ppo_rm_through_the_cli(tmp_path):
     """The documented two-command sequence, cut to 2 steps each: the reward model's export feeds PPO."""
     run_cli("fit", "--config", CONFIGS / "reward_model.yaml", "--trainer.max_steps", "2",
@@ -294,6 +298,7 @@ def test_reward_model_then_ppo_rm_through_the_cli(tmp_path):
 
 
 # ---- learning ------------------------------------------------------------------------------------------
+@pytest.mark.learning
 def test_ppo_config_learns_the_sort_task(tmp_path):
     """A cut-down configs/ppo.yaml (the full run is in benchmarks/algorithms.py and the README)."""
     run_cli("fit", "--config", CONFIGS / "ppo.yaml", "--trainer.max_steps", "60",

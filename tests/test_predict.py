@@ -80,6 +80,7 @@ def test_greedy_predictions_are_the_modules_greedy_completions(tmp_path):
     check_summary(rows, json.loads((tmp_path / "elsewhere" / "preds_summary.json").read_text()))
 
 
+@pytest.mark.slow
 def test_predict_from_a_checkpoint_and_from_the_exported_policy(tmp_path):
     """Two training steps; the checkpoint's weights and the exported folder predict the same completions."""
     run_cli("fit", "--config", CONFIGS / "grpo.yaml", "--trainer.logger.init_args.save_dir", tmp_path, *QUIET,

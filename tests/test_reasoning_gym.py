@@ -127,6 +127,7 @@ def test_environment_runs_an_episode_scored_by_the_task(task):
     assert out.correct(torch.zeros(4, dtype=torch.bool)).tolist() == [True, True, False, False]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["reward_fns", "environment"])
 def test_one_grpo_step_on_the_embedded_model(tmp_path, mode):
     """GRPO end to end on reasoning-gym rows (learning is not the point): short arithmetic questions fit the

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from helpers import CONFIGS, run_cli, scalars
 
+pytestmark = pytest.mark.slow
+
 TINY = """
 seed_everything: 3
 trainer:

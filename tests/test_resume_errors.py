@@ -155,6 +155,7 @@ def saved_run(tmp_path_factory) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
 def test_resume_with_another_batch_geometry_names_the_keys_and_values(saved_run):
     earlier = saved_run / "runs" / "lightning-rl" / "version_0"
     before = tree_hash(earlier)
@@ -166,6 +167,7 @@ def test_resume_with_another_batch_geometry_names_the_keys_and_values(saved_run)
     assert tree_hash(earlier) == before
 
 
+@pytest.mark.slow
 def test_resume_with_another_geometry_when_the_user_opts_in(saved_run, monkeypatch):
     monkeypatch.setenv("LRL_ALLOW_GEOMETRY_CHANGE", "1")
     with pytest.warns(UserWarning, match=r"`data.batch_size` 2 in the checkpoint, 3 now. Resuming anyway"):
@@ -188,6 +190,7 @@ def test_rerun_into_a_fixed_version_folder_with_an_earlier_run_is_refused(tmp_pa
 
 
 # ---- a full disk while a checkpoint is written ------------------------------------------------------------
+@pytest.mark.slow
 def test_full_disk_during_a_checkpoint_save_names_the_file(tmp_path, planted, monkeypatch):
     import lightning.fabric.plugins.io.torch_io as torch_io
 

@@ -72,6 +72,7 @@ def logged_fit(module, tmp_path, steps=2, dm=None, callbacks=()):
 
 
 # ------------------------------------------------------------------- 1. too many failed rewards: stop
+@pytest.mark.slow
 def test_reward_failing_everywhere_in_zero_mode_stops_the_run(tmp_path):
     module = make(reward_fns=[f"{HERE}:always_raises"], on_reward_error="zero")
     before = params(module)
@@ -104,6 +105,7 @@ def test_reward_failing_on_one_of_eight_samples_trains_warns_and_counts(tmp_path
     assert logged["rollout/overlong_penalty_mean"] == [0.0, 0.0]  # GRPO: shaping off, the key still there
 
 
+@pytest.mark.slow
 def test_the_stop_is_decided_on_counts_summed_over_ranks(tmp_path):
     """The step's first round all-reduces (failed, samples), so every rank reaches the same verdict; refill
     rounds (rank-dependent in number under dynamic sampling) make no collective call."""
@@ -164,6 +166,7 @@ def test_scorer_records_each_failing_function_and_its_last_sample():
 
 
 # ------------------------------------------------------------------------------ 2. overlong shaping
+@pytest.mark.slow
 def test_overlong_penalty_mean_is_the_mean_penalty_added(tmp_path):
     module = make(DAPO, max_new_tokens=8, overlong_buffer=4, overlong_penalty_factor=0.5,
                   dynamic_sampling=False)

@@ -166,6 +166,7 @@ def fitted(tmp_path_factory):
     return module, before, after, root / "reward_model"
 
 
+@pytest.mark.learning
 def test_short_fit_raises_held_out_accuracy_and_lowers_loss(fitted):
     module, before, after, _ = fitted
     assert module.global_step == 50
@@ -293,6 +294,7 @@ def test_reward_model_bad_values_name_the_key():
 
 
 # ---- the config through the real CLI ------------------------------------------------------------------
+@pytest.mark.slow
 def test_config_runs_through_the_cli(tmp_path):
     cli = run_cli("fit", "--config", CONFIGS / "reward_model.yaml", "--trainer.max_steps", "2",
                   "--trainer.val_check_interval", "2", "--trainer.num_sanity_val_steps", "0",
@@ -322,6 +324,7 @@ def _fit(save_dir, max_steps: int, *extra: str):
                    "--trainer.logger.init_args.save_dir", save_dir, *extra)
 
 
+@pytest.mark.slow
 def test_resumed_run_continues_exactly(tmp_path):
     full = _fit(tmp_path / "full", 6)
     _fit(tmp_path / "cut", 3)

@@ -18,6 +18,7 @@ def fit(tmp_path: Path, config: str, *extra: str) -> dict[str, list[tuple[int, f
     return scalars(tmp_path)
 
 
+@pytest.mark.slow
 def test_warm_start_validation_is_logged_at_step_0_and_the_learning_rate_every_step(tmp_path):
     logged = fit(tmp_path, "grpo.yaml", "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
                  "--data.init_args.max_val_rows", "32", "--data.init_args.val_batch_size", "32",
@@ -33,6 +34,7 @@ def test_warm_start_validation_is_logged_at_step_0_and_the_learning_rate_every_s
     assert [v for _, v in sorted(logged["optim/lr"])] == pytest.approx([1e-4, 1e-4])
 
 
+@pytest.mark.slow
 def test_learning_rate_follows_the_scheduler(tmp_path):
     # SAPO's config decays the lr linearly to 0 over max_steps = 600 optimiser steps, 2 per rollout
     logged = fit(tmp_path, "sapo.yaml", "--trainer.max_steps", "6", "--trainer.val_check_interval", "100",

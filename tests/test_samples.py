@@ -70,6 +70,7 @@ def expected_train(module, rollout: Rollout, k: int) -> str:
     return markdown_table(prompts, completions, part.rewards.tolist(), part.correct.tolist())
 
 
+@pytest.mark.slow
 def test_train_and_val_tables_hold_the_steps_own_samples(tmp_path):
     module = make(num_generations=2)
     record, samples = Record(), LogSamples(log_samples_every_n_steps=2, num_samples=3)
@@ -127,6 +128,7 @@ def test_markup_is_escaped_in_the_event_file(tmp_path):
         "| 1.000 | yes |")
 
 
+@pytest.mark.slow
 def test_other_loggers_get_nothing_and_no_error(tmp_path):
     trainer = make_trainer(tmp_path, max_steps=1, callbacks=[LogSamples(log_samples_every_n_steps=1)],
                            logger=CSVLogger(str(tmp_path)), limit_val_batches=1, val_check_interval=1,
@@ -141,6 +143,7 @@ def test_bad_settings_name_the_key(bad):
         LogSamples(**bad)
 
 
+@pytest.mark.slow
 def test_shipped_config_logs_samples(tmp_path):
     """configs/grpo.yaml lists LogSamples: a 1-step run has a train table (rollout 0) and a val table."""
     run_cli("fit", "--config", CONFIGS / "grpo.yaml", "--trainer.logger.init_args.save_dir", tmp_path,

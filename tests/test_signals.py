@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, scalars
 
+pytestmark = pytest.mark.distributed
+
 SCRIPT = Path(__file__).with_name("signals_fit.py")
 
 

@@ -39,6 +39,7 @@ def _grads(tmp_path, share: bool) -> tuple[dict, bool]:
     return module.grads, module.shared
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_on_real_tokens", [True, False])
 def test_shared_prompt_prefix_keeps_the_gradient_in_every_aggregation_mode(tmp_path, monkeypatch,
                                                                           head_on_real_tokens):

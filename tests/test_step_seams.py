@@ -149,6 +149,7 @@ def _logged(tmp_path, callbacks) -> dict[str, float]:
     return {k: float(v) for k, v in trainer.callback_metrics.items()}, weights
 
 
+@pytest.mark.slow
 def test_removing_observing_callbacks_changes_no_number(tmp_path):
     plain, w_plain = _logged(tmp_path / "a", [])
     observed, w_observed = _logged(tmp_path / "b", [Record(), LogSamples(log_samples_every_n_steps=1)])
