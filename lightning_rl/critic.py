@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import AutoModelForTokenClassification
+from transformers import AutoConfig, AutoModelForTokenClassification
 
 from lightning_rl.adapters import base_state_dict, is_peft_model
 from lightning_rl.models import load_pretrained, torch_dtype
@@ -125,6 +125,9 @@ def load_critic(
                               "dtype": policy.model.dtype if dtype is None else torch_dtype(dtype, key)}
 
     def load(path: str, offline: bool) -> tuple[nn.Module, dict[str, Any]]:
+        # the config first: offline and not cached, it fails at once, where the model's own lookup of an
+        # adapter config asked huggingface.co with retries for ~20 s (transformers 5)
+        AutoConfig.from_pretrained(path, local_files_only=offline, trust_remote_code=trust_remote_code)
         return AutoModelForTokenClassification.from_pretrained(
             path, output_loading_info=True, local_files_only=offline, **kwargs
         )

@@ -70,7 +70,6 @@ def test_a_hub_id_with_the_hub_down_tries_the_cache_then_names_the_key(hub_down)
     assert calls == [True]  # only the cache, never the network
 
 
-@pytest.mark.slow
 def test_policy_critic_and_reward_model_share_the_errors(tmp_path, hub_down):
     policy = load_policy("builtin:tiny-sort")
     for load, key in ((lambda v: load_policy(v), "model.model"),
