@@ -37,6 +37,21 @@ def cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> subproc
                           env=env, capture_output=True, text=True, timeout=300)
 
 
+def cli_here(capfd, *args: str) -> tuple[int, str, str]:
+    """`lightning-rl <args>` in this process (``main``): exit status, stdout and stderr as a subprocess would
+    give them (a ``sys.exit`` message is printed last, as the interpreter prints it). Start-up costs a
+    subprocess ~8 s here, and a subprocess shows nothing more for an error message or a printed line."""
+    from lightning_rl.cli import main
+
+    code, message = 0, ""
+    try:
+        main([str(a) for a in args])
+    except SystemExit as exit_:
+        code, message = (exit_.code, "") if isinstance(exit_.code, int | None) else (1, f"{exit_.code}\n")
+    out, err = capfd.readouterr()
+    return code or 0, out, err + message
+
+
 def last_line(text: str) -> str:
     return text.strip().splitlines()[-1]
 
@@ -100,23 +115,24 @@ def test_interrupted_run_saves_a_checkpoint_that_resumes(tmp_path, signum):
 
 
 # ---- 3-5. errors: our message is the last line, the exit status non-zero ----------------------------------
-def test_invalid_value_is_the_last_line_without_the_config_dump(tmp_path):
-    run = cli("fit", "--config", CONFIGS / "grpo.yaml", "--model.init_args.num_generations", "1",
-              "--trainer.logger.init_args.save_dir", tmp_path)
-    assert run.returncode != 0
-    assert "`model.num_generations` must be >= 2" in last_line(run.stderr)
-    assert "Given value" not in run.stdout + run.stderr
+def test_invalid_value_is_the_last_line_without_the_config_dump(tmp_path, capfd):
+    code, out, err = cli_here(capfd, "fit", "--config", CONFIGS / "grpo.yaml",
+                              "--model.init_args.num_generations", "1", "--trainer.logger.init_args.save_dir",
+                              tmp_path)
+    assert code != 0
+    assert "`model.num_generations` must be >= 2" in last_line(err)
+    assert "Given value" not in out + err
 
 
 @pytest.mark.parametrize("content", [b"", random.Random(0).randbytes(4096)], ids=["empty", "random"])
-def test_corrupt_checkpoint_is_one_line_naming_the_file(tmp_path, content):
+def test_corrupt_checkpoint_is_one_line_naming_the_file(tmp_path, content, capfd):
     bad = tmp_path / "bad.ckpt"
     bad.write_bytes(content)
-    run = cli("fit", "--config", CONFIGS / "grpo.yaml", "--ckpt_path", bad,
-              "--trainer.logger.init_args.save_dir", tmp_path)
-    assert run.returncode != 0
-    assert f"{bad} is not a valid checkpoint" in last_line(run.stderr)
-    assert "Traceback" not in run.stderr and "weights_only" not in run.stderr and "EOFError" not in run.stderr
+    code, _, err = cli_here(capfd, "fit", "--config", CONFIGS / "grpo.yaml", "--ckpt_path", bad,
+                            "--trainer.logger.init_args.save_dir", tmp_path)
+    assert code != 0
+    assert f"{bad} is not a valid checkpoint" in last_line(err)
+    assert "Traceback" not in err and "weights_only" not in err and "EOFError" not in err
 
 
 def test_no_warning_about_the_args_parameter():
@@ -127,6 +143,7 @@ def test_no_warning_about_the_args_parameter():
 
 # ---- 6-7. run folders: the config goes with the run, and into hparams.yaml --------------------------------
 def test_runs_without_a_logger_do_not_trip_over_each_other(tmp_path):
+    # subprocesses: what the run logs at startup is printed by handlers a process sets up once
     runs = [cli("fit", "--config", CONFIGS / "grpo.yaml", *TINY, "--trainer.logger", "false",
                 "--trainer.max_steps", "1", "--trainer.enable_checkpointing", "false", cwd=tmp_path)
             for _ in range(2)]
