@@ -75,6 +75,8 @@ JOBS: dict[str, list[dict]] = {
     "fsdp2/engine": [run("engine_sync.py", "{out}", "fsdp2")],
     "fsdp2/lora": [run("fsdp2_fit.py", "{out}", "lora", "3", STRATEGY="fsdp2")],
     "zero3/dapo": [run("fsdp2_fit.py", "{out}", "dapo", "3", STRATEGY="zero3")],
+    # 1 node x 2 processes, what tests/test_multinode.py's two-node launches must equal
+    "ddp/multinode-reference": [run("multinode_fit.py", "{out}", "--trainer.devices", "2")],
     # the uninterrupted runs that tests/test_signals.py compares its interrupted-and-resumed runs with
     "ddp/signals-reference": [run("signals_fit.py", "{out}", "ddp", "4")],
     "fsdp2/signals-reference": [run("signals_fit.py", "{out}", "fsdp2", "4")],

@@ -1,10 +1,10 @@
 """Multi-node on localhost: 2 nodes x 1 process (gloo) trains exactly like 1 node x 2 processes.
 
-The same 2-step GRPO fit through the real CLI (tests/multinode_fit.py) runs three ways: Lightning's own
-launcher on one node (``--trainer.devices 2``); two "nodes" started as a user would on each machine
-(``MASTER_ADDR``/``MASTER_PORT``/``NODE_RANK``, ``--trainer.num_nodes 2 --trainer.devices 1``); and two
-``torchrun --nnodes 2 --node_rank i`` agents. Global ranks, hence data shards and seeds, are the same, so
-the logged metrics and the final weights must be identical.
+The same 2-step GRPO fit through the real CLI (tests/multinode_fit.py) runs three ways: one node with two
+processes (``--trainer.devices 2``, a job of the suite's shared 2-rank launch); two "nodes" started as a
+user would on each machine (``MASTER_ADDR``/``MASTER_PORT``/``NODE_RANK``, ``--trainer.num_nodes 2
+--trainer.devices 1``); and two ``torchrun --nnodes 2 --node_rank i`` agents. Global ranks, hence data
+shards and seeds, are the same, so the logged metrics and the final weights must be identical.
 """
 
 from __future__ import annotations
@@ -63,13 +63,6 @@ def result(out: Path) -> dict:
     return {"ranks": ranks, "weights": torch.load(out / "weights.pt"), "scalars": scalars(out)}
 
 
-def one_node_two_processes(tmp_path: Path) -> dict:
-    out = tmp_path / "1x2"
-    out.mkdir()
-    launch([([sys.executable, str(SCRIPT), str(out), "--trainer.devices", "2"], {})], tmp_path)
-    return result(out)
-
-
 def two_nodes_lightning(tmp_path: Path) -> dict:
     out, port = tmp_path / "2x1-env", str(free_port())
     out.mkdir()
@@ -99,8 +92,9 @@ def assert_same_training(reference: dict, other: dict) -> None:
         assert reference["scalars"][tag] == other["scalars"][tag], tag
 
 
-def test_two_nodes_train_like_one_node_with_two_processes(tmp_path):
-    single = one_node_two_processes(tmp_path)
+@pytest.mark.ranks("ddp/multinode-reference")
+def test_two_nodes_train_like_one_node_with_two_processes(tmp_path, rank_jobs):
+    single = result(rank_jobs.out("ddp/multinode-reference"))  # `--trainer.devices 2`, the shared launch
     ranks = [(r["node_rank"], r["local_rank"], r["world_size"]) for r in single["ranks"]]
     assert ranks == [(0, 0, 2), (0, 1, 2)]
     assert all(r["global_step"] == 2 for r in single["ranks"])

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from helpers import ROOT, scalars
+from rank_jobs import free_port
 
 pytestmark = pytest.mark.distributed
 
@@ -28,7 +29,8 @@ SCRIPT = Path(__file__).with_name("signals_fit.py")
 
 def run(out: Path, strategy: str, steps: int, *overrides: str, signal_spec: str | None = None,
         fail: str | None = None, timeout: int = 200) -> tuple[int, str, float]:
-    """``signals_fit.py``; returns its exit status, its output and when it ended (``time.time()``)."""
+    """``signals_fit.py`` started once, Lightning's launcher starting rank 1 (as ``lightning-rl fit
+    --trainer.devices 2`` does); returns its exit status, its output and when it ended (``time.time()``)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LRL_NUM_THREADS": "1"}
     for key, value in (("SIGNAL", signal_spec), ("FAIL", fail)):
         env.pop(key, None)
@@ -45,6 +47,31 @@ def run(out: Path, strategy: str, steps: int, *overrides: str, signal_spec: str 
         pytest.fail(f"signals_fit.py {strategy} {steps} {signal_spec} hung (killed after {timeout}s):\n"
                     f"{log.decode(errors='replace')[-3000:]}")
     return proc.returncode, log.decode(errors="replace"), time.time()
+
+
+def run_ranks(out: Path, strategy: str, steps: int, *overrides: str, timeout: int = 200) -> tuple[int, str]:
+    """``signals_fit.py`` on both ranks started at once (the ranks' environment set, as torchrun or SLURM
+    do: their start-up overlaps), each in its own session, killed after ``timeout``; the worst exit status
+    and rank 0's output followed by rank 1's."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LRL_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "NODE_RANK": "0"}
+    env.pop("SIGNAL", None), env.pop("FAIL", None)
+    argv = [sys.executable, str(SCRIPT), str(out), strategy, str(steps), *overrides]
+    logs = [out.parent / f"{out.name}.rank{r}.log" for r in range(2)]
+    procs = []
+    for rank, log in enumerate(logs):
+        with open(log, "wb") as f:
+            ranked = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            procs.append(subprocess.Popen(argv, cwd=ROOT, env=ranked, stdout=f, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail(f"signals_fit.py {strategy} {steps} {overrides} hung (killed after {timeout}s)")
+    return max(codes, key=abs), "".join(log.read_text(errors="replace") for log in logs)
 
 
 def logged_after(folder: Path, step: int) -> dict[str, list[tuple[int, float]]]:
@@ -66,7 +93,7 @@ def test_sigterm_to_every_rank_saves_one_checkpoint_that_resumes_exactly(tmp_pat
     assert (checkpoints / "interrupted-step=2.ckpt").is_dir() == (strategy == "fsdp2")
     assert log.count("checkpoint saved to") == 1
 
-    code, log, _ = run(runs, strategy, 4, "--ckpt_path", "last")
+    code, log = run_ranks(runs, strategy, 4, "--ckpt_path", "last")
     assert code == 0, log[-3000:]
     assert f"resuming from {checkpoints / 'interrupted-step=2.ckpt'}" in log
     resumed = logged_after(runs / "lightning-rl" / "version_1", 2)
