@@ -176,6 +176,7 @@ def test_short_fit_raises_held_out_accuracy_and_lowers_loss(fitted):
     assert after["val/rm/margin"] > before["val/rm/margin"]
 
 
+@pytest.mark.slow  # reads the 50-step fit of `fitted`
 def test_export_reloads_in_plain_transformers_with_the_same_scores(fitted):
     module, _, after, folder = fitted
     assert (folder / "config.json").is_file()
@@ -201,6 +202,7 @@ def test_export_reloads_in_plain_transformers_with_the_same_scores(fitted):
     assert scorer.to("cpu") is scorer and scorer.device.type == "cpu"
 
 
+@pytest.mark.slow  # reads the 50-step fit of `fitted`
 def test_scorer_prefers_chosen_on_held_out_pairs(fitted):
     *_, after, folder = fitted
     scorer = RewardModelScorer(str(folder))
