@@ -18,6 +18,7 @@ from rank_jobs import JOBS, RankJobs  # noqa: E402
 
 # the first test that reads a multi-process job waits for the whole launch (every job the session needs)
 LAUNCH_TIMEOUT = 1800
+RANK_JOBS = pytest.StashKey[RankJobs]()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -32,11 +33,21 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.timeout(LAUNCH_TIMEOUT))
 
 
+def pytest_collection_finish(session):
+    """Start the launch of the multi-process jobs the selected tests name, in the background: it runs
+    while the single-process tests do (``LRL_TEST_LAUNCH=first-use`` waits for the first test that reads
+    one, so that nothing else runs beside it)."""
+    names = [name for item in session.items for m in item.iter_markers("ranks") for name in m.args]
+    jobs = RankJobs(session.config._tmp_path_factory.mktemp("ranks"), list(dict.fromkeys(names)))
+    session.config.stash[RANK_JOBS] = jobs
+    if os.environ.get("LRL_TEST_LAUNCH", "background") == "background":
+        jobs.start()
+
+
 @pytest.fixture(scope="session")
-def rank_jobs(request, tmp_path_factory) -> RankJobs:
-    """The folders of the multi-process jobs that the selected tests name (one launch, on first use)."""
-    names = [name for item in request.session.items for m in item.iter_markers("ranks") for name in m.args]
-    return RankJobs(tmp_path_factory.mktemp("ranks"), list(dict.fromkeys(names)))
+def rank_jobs(request) -> RankJobs:
+    """The folders of the multi-process jobs that the selected tests name (one launch for the session)."""
+    return request.config.stash[RANK_JOBS]
 
 
 @pytest.fixture

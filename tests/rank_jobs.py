@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -142,18 +143,26 @@ def tail(path: Path, chars: int = 3000) -> str:
 
 
 class RankJobs:
-    """The folders of one launch's jobs; ``out(name)`` fails the calling test unless its job completed."""
+    """The folders of one launch's jobs; ``out(name)`` fails the calling test unless its job completed.
+
+    ``start()`` runs the launch in a background thread (the session starts it when collection ends, so the
+    two ranks overlap the single-process tests that come first); ``out`` waits for it.
+    """
 
     def __init__(self, folder: Path, names: list[str]) -> None:
         self.folder, self.names = folder, names
-        self.launched = False
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.thread is None and self.names:
+            self.thread = threading.Thread(target=launch_ranks, args=(self.names, self.folder), daemon=True)
+            self.thread.start()
 
     def out(self, name: str) -> Path:
         if name not in self.names:
             pytest.fail(f"job {name!r} is not in this session's launch: mark the test ranks({name!r})")
-        if not self.launched:
-            self.launched = True
-            launch_ranks(self.names, self.folder)
+        self.start()
+        self.thread.join()
         done = self.folder / f"{folder_name(name)}.done"
         if not done.exists():
             hung = self.folder / "hung"

@@ -95,23 +95,44 @@ class SignalAt(L.Callback):
             os.kill(os.getpid(), self.signum)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_interrupted_run_saves_a_checkpoint_that_resumes(tmp_path, signum):
-    overlay = tmp_path / "signal.yaml"
-    overlay.write_text(yaml.safe_dump({"trainer": {"callbacks": [
-        {"class_path": "test_cli_runs.SignalAt", "init_args": {"step": 2, "signum": int(signum)}}]}}))
-    # GSPO: 2 optimiser steps per rollout; the signal arrives during the rollout that starts at step 2
-    run = cli("fit", "--config", CONFIGS / "gspo.yaml", "--config", overlay, *TINY,
-              "--trainer.max_steps", "10", "--trainer.val_check_interval", "100",
-              "--trainer.logger.init_args.save_dir", tmp_path,
-              env={"PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])})
-    saved = tmp_path / "lightning-rl" / "version_0" / "checkpoints" / "interrupted-step=4.ckpt"
-    assert run.returncode == 128 + signum, run.stderr[-3000:]
-    assert saved.exists() and f"checkpoint saved to {saved}" in run.stderr
-    resumed = fit(tmp_path, "--trainer.max_steps", "6", "--trainer.val_check_interval", "100",
+SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM}
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
+    """One GSPO run per signal through `lightning-rl fit` (subprocesses started at once: each spends
+    seconds starting up), the signal sent at step 2; ``{name: (run folder, exit status, stderr)}``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LRL_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    procs = {}
+    for name, signum in SIGNALS.items():
+        folder = tmp_path_factory.mktemp(name)
+        overlay = folder / "signal.yaml"
+        overlay.write_text(yaml.safe_dump({"trainer": {"callbacks": [
+            {"class_path": "test_cli_runs.SignalAt", "init_args": {"step": 2, "signum": int(signum)}}]}}))
+        # GSPO: 2 optimiser steps per rollout; the signal arrives during the rollout that starts at step 2
+        argv = [sys.executable, "-m", "lightning_rl.cli", "fit", "--config", str(CONFIGS / "gspo.yaml"),
+                "--config", str(overlay), *TINY, "--trainer.max_steps", "10", "--trainer.val_check_interval",
+                "100", "--trainer.logger.init_args.save_dir", str(folder)]
+        procs[name] = folder, subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.PIPE, text=True)
+    out = {}
+    for name, (folder, proc) in procs.items():
+        _, err = proc.communicate(timeout=300)
+        out[name] = folder, proc.returncode, err
+    return out
+
+
+@pytest.mark.parametrize("name", list(SIGNALS))
+def test_interrupted_run_saves_a_checkpoint_that_resumes(interrupted, name):
+    folder, code, stderr = interrupted[name]
+    saved = folder / "lightning-rl" / "version_0" / "checkpoints" / "interrupted-step=4.ckpt"
+    assert code == 128 + SIGNALS[name], stderr[-3000:]
+    assert saved.exists() and f"checkpoint saved to {saved}" in stderr
+    resumed = fit(folder, "--trainer.max_steps", "6", "--trainer.val_check_interval", "100",
                   "--ckpt_path", "last", config="gspo.yaml")
     assert resumed.trainer.global_step == 6
-    logged = scalars(tmp_path / "lightning-rl" / "version_1")
+    logged = scalars(folder / "lightning-rl" / "version_1")
     assert [s for s, _ in logged["rollout/reward_mean"]] == [6]  # one rollout, after the 4 steps saved
 
 
