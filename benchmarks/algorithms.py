@@ -46,7 +46,7 @@ def _configs(name: str) -> list[str]:
 
 
 def _cli(subcommand: str, name: str, out: Path) -> float:
-    cmd = [sys.executable, "-m", "lightning_rl.cli", subcommand, *_configs(name),
+    cmd = [sys.executable, "-m", "lightning_rl.cli.main", subcommand, *_configs(name),
            "--trainer.logger.init_args.save_dir", str(out), "--trainer.enable_progress_bar", "false"]
     if name == "ppo_rm":
         cmd += ["--model.init_args.reward_model", str(EXPORTS["reward_model"])]

@@ -1,5 +1,6 @@
 """Rollout engines on the same sampling work: transformers' ``generate``, lightning-rl's compacting sampler
-(``lightning_rl.sampling``), and transformers' continuous batching (``generate_batch``, paged attention).
+(``lightning_rl.models.sampling``), and transformers' continuous batching (``generate_batch``, paged
+attention).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/engines.py [--rounds 3] [--dtype float32|bfloat16]
 
@@ -17,9 +18,9 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
 
-from lightning_rl.engine import SamplingParams, hf_generate
-from lightning_rl.models import load_policy
-from lightning_rl.policy import Policy
+from lightning_rl.models.generation import SamplingParams, hf_generate
+from lightning_rl.models.loading import load_policy
+from lightning_rl.models.policy import Policy
 
 
 def shapes(dtype: torch.dtype) -> dict[str, tuple[Policy, torch.Tensor, torch.Tensor, int, int]]:

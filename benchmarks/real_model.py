@@ -95,7 +95,7 @@ def run_cli(configs: list[Path | str], run: Path, name: str) -> float:
     Raises:
         SystemExit: when the CLI fails, after printing the command and the end of its log.
     """
-    command = [sys.executable, "-m", "lightning_rl.cli", "fit"]
+    command = [sys.executable, "-m", "lightning_rl.cli.main", "fit"]
     for config in configs:
         command += ["--config", str(config)]
     log = run / f"{name}.log"
@@ -145,7 +145,7 @@ def grpo_overlay(args: argparse.Namespace, run: Path, train: Path, val: Path) ->
             "model": str(tasks.C_MODEL), "chat_template": True, "max_prompt_length": 128,
             "max_new_tokens": args.max_new_tokens, "num_generations": args.group,
             "temperature": args.temperature, "kl_coef": args.kl_coef,
-            "reward_fns": ["lightning_rl.rewards:numeric_match"], "peft": peft,
+            "reward_fns": ["lightning_rl.step.rewards:numeric_match"], "peft": peft,
             "optimizer": {"class_path": "torch.optim.AdamW",
                           "init_args": {"lr": args.lr, "weight_decay": 0.0}},
         }},

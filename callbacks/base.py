@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import lightning as L
 
 if TYPE_CHECKING:
-    from lightning_rl.rollout import Rollout
+    from lightning_rl.step.rollout import Rollout
 
 
 class RLCallback(L.Callback):

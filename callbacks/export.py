@@ -7,8 +7,8 @@ import os
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_rl.adapters import is_peft_model
-from lightning_rl.sharding import full_state_dict, gathers_for_export, save_full_pretrained
+from lightning_rl.models.adapters import is_peft_model
+from lightning_rl.models.sharding import full_state_dict, gathers_for_export, save_full_pretrained
 
 
 class ExportPolicy(L.Callback):

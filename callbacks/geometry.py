@@ -70,7 +70,7 @@ class BatchGeometry(L.Callback):
             rank_zero_warn(f"{what}. Resuming anyway ({ALLOW_ENV}): the data position and the per-rank "
                            "states now point at other rows than the interrupted run's")
             return
-        from lightning_rl.cli import ConfigError
+        from lightning_rl.cli.main import ConfigError
 
         raise ConfigError(f"{what}. Its data position counts batches of the old geometry, so the run would "
                           "continue on other rows: resume with the checkpoint's values, or set "

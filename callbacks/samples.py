@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_rl.callbacks.base import RLCallback
-from lightning_rl.rollout import Rollout
+from lightning_rl.step.rollout import Rollout
 
 HEADER = "| prompt | completion | reward | correct |\n|---|---|---|---|"
 # Markdown and HTML characters that would change how a cell renders (a `|` ends the cell, `<think>` is

@@ -9,7 +9,7 @@ episode runner, one solved episode is (``<eos>`` is the EOS token)::
 
 :func:`tool_trace_rows` cuts such a trace into the two SFT rows that teach it (``data.task:
 multiply_tool_traces``, the warm start of ``builtin:tiny-tools``); the tool is
-``lightning_rl.tools.calculator``.
+``lightning_rl.episodes.tools.calculator``.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 
-from lightning_rl.models import EOS
-from lightning_rl.tools import calculator
+from lightning_rl.episodes.tools import calculator
+from lightning_rl.models.loading import EOS
 
 LOW, HIGH = 10, 999  # each factor is uniform in [LOW, HIGH]: 2 or 3 digits
 TOOL_NAME = "calculator"

@@ -1,8 +1,9 @@
 """PreferenceDataModule: (prompt, chosen, rejected) pairs for DPO and reward-model training.
 
 Rows stay raw (dicts of strings or chat messages) like ``PromptDataModule``'s: the LightningModule owns
-the tokenizer and calls :func:`~lightning_rl.pairs.encode_pairs`. The tokenisation lives in the core
-module ``lightning_rl.pairs`` (``EncodedPairs``, ``encode_pairs`` and ``render_pair`` stay importable from
+the tokenizer and calls :func:`~lightning_rl.text.pairs.encode_pairs`. The tokenisation lives in the core
+module ``lightning_rl.text.pairs`` (``EncodedPairs``, ``encode_pairs`` and ``render_pair`` stay importable
+from
 here). Training batches come from the same endless, seeded ``PromptStream`` whose position is saved in the
 checkpoint, so a resumed run sees exactly the pairs an uninterrupted run would.
 
@@ -30,7 +31,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_rl.data.prompts import RowsDataModule, check_rows, load_rows, row_locator
 from lightning_rl.data.sort_task import SortTask
-from lightning_rl.pairs import EncodedPairs, encode_pairs, render_pair
+from lightning_rl.text.pairs import EncodedPairs, encode_pairs, render_pair
 
 FILES = Path(__file__).resolve().parent / "files"
 BUILTIN_TRAIN = FILES / "sort_pairs_train.jsonl"
@@ -299,7 +300,7 @@ def make_sort_pairs(out_dir: str, num_train: int = 4096, seed: int = 0) -> list[
 
     Deterministic for a given torch build (one CPU thread, fixed per-chunk seeds).
     """
-    from lightning_rl.models import load_policy
+    from lightning_rl.models.loading import load_policy
 
     policy = load_policy("builtin:tiny-sort")
     task = SortTask(seed=seed)

@@ -23,7 +23,7 @@ from lightning_rl.data.rows import check_rows, load_rows, row_locator
 from lightning_rl.data.rows import is_prompt as is_prompt
 from lightning_rl.data.sort_task import SortTask
 from lightning_rl.data.validation import ValidationShard
-from lightning_rl.keys import ROW_INDEX_KEY  # defined in the core; still importable from here
+from lightning_rl.text.keys import ROW_INDEX_KEY  # defined in the core; still importable from here
 
 
 class PromptStream(IterableDataset):

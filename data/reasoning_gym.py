@@ -28,7 +28,7 @@ from functools import lru_cache
 from typing import Any
 
 from lightning_rl.data.prompts import PromptDataModule
-from lightning_rl.environments import Environment, Observation, StepResult
+from lightning_rl.episodes.environments import Environment, Observation, StepResult
 
 INSTALL = "pip install 'lightning-rl[reasoning-gym]'"
 COLUMNS = ("rg_task", "rg_seed", "rg_size", "rg_config", "rg_index")

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning_rl.input_checks import InputError
-from lightning_rl.models import hub_error, hub_unreachable, looks_local
+from lightning_rl.algorithms.input_checks import InputError
+from lightning_rl.models.loading import hub_error, hub_unreachable, looks_local
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -36,7 +36,7 @@ def load_rows(
     gives no rows.
 
     Raises:
-        FileNotFoundError: ``path`` is plainly a local path (``lightning_rl.models.looks_local``) and
+        FileNotFoundError: ``path`` is plainly a local path (``lightning_rl.models.loading.looks_local``) and
             does not exist; the message names ``key``.
         ConnectionError: ``path`` is a hub name and the hub cannot be reached (one short try).
         ValueError: an unreadable file, naming it (and the 1-based line, for JSON / JSONL).

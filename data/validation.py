@@ -5,7 +5,7 @@ size, so a metric averaged over ranks counts some rows twice. Here row ``i`` goe
 ``i % world`` and nothing is repeated; ranks whose share runs out early still yield a batch (one row
 with weight 0, ``VAL_WEIGHT_KEY``) so that every rank runs the same number of validation steps, and
 the modules leave weight-0 rows out of their metrics (``lightning_rl.algorithms.base.real_rows``).
-``VAL_WEIGHT_KEY`` lives in ``lightning_rl.keys`` (the modules read it without importing this package);
+``VAL_WEIGHT_KEY`` lives in ``lightning_rl.text.keys`` (the modules read it without importing this package);
 it stays importable from here.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset
 
-from lightning_rl.keys import VAL_WEIGHT_KEY
+from lightning_rl.text.keys import VAL_WEIGHT_KEY
 
 # Lightning warns that `__len__` of an IterableDataset may be wrong with several loader workers; the
 # shard is read in the main process (num_workers=0), where its length is exact.

@@ -30,7 +30,7 @@ from lightning_rl.algorithms import DAPO, DPO
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.data import PromptDataModule
 from lightning_rl.data.preference import PreferenceDataModule
-from lightning_rl.engine import HFEngine
+from lightning_rl.step.engine import HFEngine
 
 MODE = os.environ.get("COLLECTIVES_MODE", "starve")
 

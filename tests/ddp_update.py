@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 from lightning_rl.algorithms import GRPO
-from lightning_rl.collectives import Collectives
-from lightning_rl.correction import RolloutCorrection
 from lightning_rl.data import PromptDataModule
-from lightning_rl.logprobs import score_rollout
-from lightning_rl.rollout import Rollout
+from lightning_rl.step.collectives import Collectives
+from lightning_rl.step.correction import RolloutCorrection
+from lightning_rl.step.logprobs import score_rollout
+from lightning_rl.step.rollout import Rollout
 
 
 def logprobs(module: GRPO, rollout: Rollout, scorer=None) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from lightning_rl.algorithms import GRPO
 from lightning_rl.data import PromptDataModule
-from lightning_rl.sharding import full_state_dict, zero3_partitioned
+from lightning_rl.models.sharding import full_state_dict, zero3_partitioned
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ddp_update import fixed_rollout, update  # noqa: E402

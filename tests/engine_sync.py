@@ -22,8 +22,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning_rl.algorithms import GRPO
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.data import PromptDataModule
-from lightning_rl.engine import CopyEngine
-from lightning_rl.sharding import full_value
+from lightning_rl.models.sharding import full_value
+from lightning_rl.step.engine import CopyEngine
 
 
 class Compare(RLCallback):

@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning_rl.algorithms import GRPO
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.data import PromptDataModule
-from lightning_rl.environments import Environment, StepResult
+from lightning_rl.episodes.environments import Environment, StepResult
 
 
 class Uneven(Environment):

@@ -47,7 +47,7 @@ from lightning_rl.callbacks import ExportPolicy
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.data import PromptDataModule
 from lightning_rl.data.preference import PreferenceDataModule
-from lightning_rl.sharding import collective_forward, full_state_dict
+from lightning_rl.models.sharding import collective_forward, full_state_dict
 
 
 def nbytes(tensors) -> int:
@@ -167,7 +167,7 @@ def main() -> None:
                         enable_model_summary=False, default_root_dir=out, callbacks=callbacks, **validation)
     module, datamodule = build(mode, out)
     if resume == "last":
-        from lightning_rl.cli import find_last_checkpoint
+        from lightning_rl.cli.main import find_last_checkpoint
 
         resume = find_last_checkpoint(trainer)
     trainer.fit(module, datamodule, ckpt_path=resume)

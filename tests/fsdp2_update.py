@@ -24,8 +24,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_rl.algorithms import GRPO
 from lightning_rl.data import PromptDataModule
-from lightning_rl.metrics import StepMetrics
-from lightning_rl.sharding import full_value, is_sharded
+from lightning_rl.models.sharding import full_value, is_sharded
+from lightning_rl.step.metrics import StepMetrics
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ddp_update import fixed_rollout, update  # noqa: E402

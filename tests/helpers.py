@@ -15,9 +15,9 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import lightning_rl.logprobs
+import lightning_rl.step.logprobs
 from lightning_rl.algorithms import GRPO
-from lightning_rl.cli import LightningRLCLI
+from lightning_rl.cli.main import LightningRLCLI
 from lightning_rl.data import PromptDataModule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,8 +42,8 @@ def scalars(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
 
 def logprobs(module, rollout, scorer=None):
     """``[N, C]`` log-probs of ``rollout`` under ``scorer`` (default: the policy), as the step scores them."""
-    from lightning_rl.collectives import Collectives
-    from lightning_rl.logprobs import score_rollout
+    from lightning_rl.step.collectives import Collectives
+    from lightning_rl.step.logprobs import score_rollout
 
     scorer = module.policy if scorer is None else scorer
     joiner = module.policy if scorer is module.policy or getattr(scorer, "shares_weights", False) else None
@@ -55,21 +55,21 @@ def logprobs(module, rollout, scorer=None):
 def spy_policy_scoring(monkeypatch, module) -> list[int]:
     """Record the size of every rollout the step's log-prob passes score with the trained policy itself
     (the behaviour pass under ``recompute``); the ``logprobs`` helpers is not counted."""
-    calls, original = [], lightning_rl.logprobs.score_rollout
+    calls, original = [], lightning_rl.step.logprobs.score_rollout
 
     def spy(scorer, rollout, **kw):
         if scorer is module.policy:
             calls.append(len(rollout))
         return original(scorer, rollout, **kw)
 
-    monkeypatch.setattr(lightning_rl.logprobs, "score_rollout", spy)
+    monkeypatch.setattr(lightning_rl.step.logprobs, "score_rollout", spy)
     return calls
 
 
 def update(module, minibatch):
     """One optimiser step of ``module``'s trained models on ``minibatch`` (the updater's ``update``);
     returns each micro-batch's ``(metrics, share)``."""
-    from lightning_rl.collectives import Collectives
+    from lightning_rl.step.collectives import Collectives
 
     return list(module.updater.update(minibatch, module.trained_models(), module.update_hooks(),
                                       Collectives(module.trainer)))

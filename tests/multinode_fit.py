@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_rl.cli import LightningRLCLI
+from lightning_rl.cli.main import LightningRLCLI
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SHORT = ["--trainer.max_steps", "2", "--trainer.limit_val_batches", "0",

@@ -20,10 +20,10 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_rl.algorithms import PPO
-from lightning_rl.collectives import Collectives
 from lightning_rl.data import PromptDataModule
-from lightning_rl.logprobs import score_values
-from lightning_rl.sharding import full_value, is_sharded
+from lightning_rl.models.sharding import full_value, is_sharded
+from lightning_rl.step.collectives import Collectives
+from lightning_rl.step.logprobs import score_values
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ddp_update import fixed_rollout, update  # noqa: E402

@@ -58,7 +58,7 @@ def slow_reward(completions, answer, **_):
 def main() -> None:
     torch.set_num_threads(1)
     out, strategy, steps, overrides = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
-    from lightning_rl.cli import main as cli
+    from lightning_rl.cli.main import main as cli
 
     os.environ["SIGNAL_OUT"] = str(out)  # rank 0 starts the other ranks with this environment
 

@@ -10,7 +10,7 @@ import pytest
 
 from lightning_rl.data import MultiplyTask, PromptDataModule
 from lightning_rl.data.calc_task import tool_call, tool_trace_rows
-from lightning_rl.models import (
+from lightning_rl.models.loading import (
     BUILTIN_MODELS,
     TOOLS_MODEL,
     build_char_tokenizer,

@@ -10,7 +10,7 @@ from lightning.pytorch import LightningDataModule
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_rl.algorithms import PolicyModule
-from lightning_rl.cli import LightningRLCLI
+from lightning_rl.cli.main import LightningRLCLI
 
 ALL_CONFIGS = sorted(CONFIGS.glob("*.yaml"))  # strategy overlays and examples: tests/test_overlays.py
 
@@ -26,7 +26,7 @@ def test_every_config_instantiates(config, tmp_path):
     if config.parent.name != "configs":  # overlays apply on top of the GRPO config
         args = ["--config", CONFIGS / "grpo.yaml", *args]
     if config.name == "ppo_rm.yaml":  # its reward model is what configs/reward_model.yaml trains first
-        from lightning_rl.reward_model import load_reward_network
+        from lightning_rl.models.reward_model import load_reward_network
 
         load_reward_network("builtin:tiny-sort").save_pretrained(str(tmp_path / "rm"))
         args += ["--model.init_args.reward_model", tmp_path / "rm"]
@@ -87,7 +87,7 @@ def test_sft_regenerates_the_embedded_model(tmp_path):
 
 
 def test_embedded_model_is_shipped():
-    from lightning_rl.models import EMBEDDED_MODEL
+    from lightning_rl.models.loading import EMBEDDED_MODEL
 
     assert (ROOT / "data" / "tiny_sort" / "model.safetensors").exists()
     assert EMBEDDED_MODEL.endswith("tiny_sort")
@@ -118,7 +118,7 @@ def test_startup_drops_lightnings_tips_and_its_torch_deprecation_only(tmp_path):
         "import sys, warnings, torch, lightning as L\n"
         "from lightning.pytorch.loggers import TensorBoardLogger\n"
         "from lightning.pytorch.utilities import _pytree\n"
-        "from lightning_rl.cli import quiet_startup\n"
+        "from lightning_rl.cli.main import quiet_startup\n"
         "if sys.argv[1] == 'quiet': quiet_startup()\n"
         "L.Trainer(accelerator='cpu', logger=TensorBoardLogger(sys.argv[2]), enable_checkpointing=False)\n"
         "_pytree._tree_flatten({'a': torch.ones(1)})\n"

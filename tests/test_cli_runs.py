@@ -16,7 +16,7 @@ import pytest
 import yaml
 from helpers import CONFIGS, ROOT, run_cli, scalars
 
-from lightning_rl.cli import ConfigError
+from lightning_rl.cli.main import ConfigError
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def fit(save_dir: Path, *extra: str, config: str = "grpo.yaml"):
 def cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
     """`lightning-rl <args>` as a subprocess (exit status, stdout and stderr as the user sees them)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LRL_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "lightning_rl.cli", *map(str, args)], cwd=cwd or ROOT,
+    return subprocess.run([sys.executable, "-m", "lightning_rl.cli.main", *map(str, args)], cwd=cwd or ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -42,7 +42,7 @@ def cli_here(capfd, *args: str) -> tuple[int, str, str]:
     """`lightning-rl <args>` in this process (``main``): exit status, stdout and stderr as a subprocess would
     give them (a ``sys.exit`` message is printed last, as the interpreter prints it). Start-up costs a
     subprocess ~8 s here, and a subprocess shows nothing more for an error message or a printed line."""
-    from lightning_rl.cli import main
+    from lightning_rl.cli.main import main
 
     code, message = 0, ""
     try:
@@ -111,7 +111,7 @@ def interrupted(tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
         overlay.write_text(yaml.safe_dump({"trainer": {"callbacks": [
             {"class_path": "test_cli_runs.SignalAt", "init_args": {"step": 2, "signum": int(signum)}}]}}))
         # GSPO: 2 optimiser steps per rollout; the signal arrives during the rollout that starts at step 2
-        argv = [sys.executable, "-m", "lightning_rl.cli", "fit", "--config", str(CONFIGS / "gspo.yaml"),
+        argv = [sys.executable, "-m", "lightning_rl.cli.main", "fit", "--config", str(CONFIGS / "gspo.yaml"),
                 "--config", str(overlay), *TINY, "--trainer.max_steps", "10", "--trainer.val_check_interval",
                 "100", "--trainer.logger.init_args.save_dir", str(folder)]
         procs[name] = folder, subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,

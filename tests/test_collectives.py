@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_rl.collectives import Collectives
 from lightning_rl.data import PromptDataModule
-from lightning_rl.filters import DynamicSampling
-from lightning_rl.metrics import StepMetrics
-from lightning_rl.rollout import Rollout
+from lightning_rl.step.collectives import Collectives
+from lightning_rl.step.filters import DynamicSampling
+from lightning_rl.step.metrics import StepMetrics
+from lightning_rl.step.rollout import Rollout
 
 CPU = torch.device("cpu")
 

@@ -11,10 +11,10 @@ import torch
 from helpers import CONFIGS, run_cli, scalars
 from test_dpo import PAIRS, as_batch, logps_by_hand, make_dpo, perturb
 
-import lightning_rl.sharding as sharding
+import lightning_rl.models.sharding as sharding
 from lightning_rl.algorithms import DPO
 from lightning_rl.data.preference import BUILTIN_TRAIN, BUILTIN_VAL
-from lightning_rl.engine import CopyEngine
+from lightning_rl.step.engine import CopyEngine
 
 # ChatML-like: every turn ends with EOS and a newline, as SmolLM2's / Qwen's `<|im_end|>\n`.
 EOS_NEWLINE_TEMPLATE = (

@@ -13,9 +13,9 @@ from helpers import CONFIGS, datamodule, logprobs, make, make_trainer, run_cli, 
 
 from lightning_rl.algorithms import GRPO
 from lightning_rl.callbacks import RLCallback
-from lightning_rl.correction import RolloutCorrection
-from lightning_rl.engine import CopyEngine
-from lightning_rl.rollout import Rollout
+from lightning_rl.step.correction import RolloutCorrection
+from lightning_rl.step.engine import CopyEngine
+from lightning_rl.step.rollout import Rollout
 
 HERE = Path(__file__).resolve().parent
 

@@ -1,4 +1,5 @@
-"""Multi-turn episodes (``lightning_rl.environments``): token in / token out, masks, budgets, tools, errors.
+"""Multi-turn episodes (``lightning_rl.episodes.environments``): token in / token out, masks, budgets, tools,
+errors.
 
 Most tests drive :class:`EpisodeRunner` with a scripted ``generate`` (each call answers the next scripted turn
 and records the exact context it was given), so every id is known; the module tests run the real engine.
@@ -14,12 +15,12 @@ from helpers import make, make_trainer
 
 from lightning_rl.algorithms import GRPO
 from lightning_rl.callbacks.base import RLCallback
-from lightning_rl.engine import SamplingParams, make_generation
-from lightning_rl.environments import Environment, EpisodeError, EpisodeRunner, StepResult
-from lightning_rl.losses import aggregate
-from lightning_rl.models import build_char_tokenizer
-from lightning_rl.rollout import Rollout
-from lightning_rl.tools import HermesFormat, PlainFormat, Tool
+from lightning_rl.episodes.environments import Environment, EpisodeError, EpisodeRunner, StepResult
+from lightning_rl.episodes.tools import HermesFormat, PlainFormat, Tool
+from lightning_rl.maths.losses import aggregate
+from lightning_rl.models.generation import SamplingParams, make_generation
+from lightning_rl.models.loading import build_char_tokenizer
+from lightning_rl.step.rollout import Rollout
 
 TOK = build_char_tokenizer()
 EOS, PAD = TOK.eos_token_id, TOK.pad_token_id
@@ -58,7 +59,7 @@ class Scripted:
 def encode(prompts):
     texts = [TOK.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                      add_generation_prompt=True) if TOK.chat_template else p for p in prompts]
-    from lightning_rl.pairs import pad_rows
+    from lightning_rl.text.pairs import pad_rows
 
     return pad_rows([ids(t) for t in texts], PAD, left=True)
 
@@ -208,7 +209,7 @@ def test_grpo_step_trains_on_episodes_with_observations_out_of_the_loss(tmp_path
     """A real GRPO step on episodes: the loss mask equals the model tokens; observation tokens are context
     (their log-probs never reach the objective), rewards add the environment's return."""
     module = make(environment=Echo(), max_turns=3, max_new_tokens=8, num_generations=2,
-                  reward_fns=["lightning_rl.rewards:exact_match"])
+                  reward_fns=["lightning_rl.step.rewards:exact_match"])
     batch = {"prompt": ["50318=", "92741="], "answer": ["01358", "12479"], "needed": [2, 1]}
     module.trainer = make_trainer(tmp_path)
     rollout, stats = module.sample(batch, None)
@@ -325,7 +326,7 @@ def test_engine_log_probs_land_on_the_sampled_tokens_of_every_turn(tmp_path):
     model tokens, and are 0 on observation tokens (a shifted placement would not match)."""
     from helpers import logprobs
 
-    from lightning_rl.engine import CopyEngine
+    from lightning_rl.step.engine import CopyEngine
 
     module = make(engine=CopyEngine("float32"), environment=Echo(), max_turns=3, max_new_tokens=8,
                   num_generations=2)

@@ -1,4 +1,4 @@
-"""Tests for the estimators added to lightning_rl.advantages (RLOO, REINFORCE++-baseline, rollout-engine
+"""Tests for the estimators added to lightning_rl.maths.advantages (RLOO, REINFORCE++-baseline, rollout-engine
 importance weights and mismatch stats): hand-worked values (arithmetic in the comments), the global-moments
 form, garbage on invalid tokens, detachment and every validation error."""
 

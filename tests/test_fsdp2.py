@@ -14,7 +14,7 @@ import pytest
 import torch
 from rank_jobs import run_here
 
-from lightning_rl.sharding import decoder_layers, needs_synced_generation, refuse_fsdp1
+from lightning_rl.models.sharding import decoder_layers, needs_synced_generation, refuse_fsdp1
 
 distributed = pytest.mark.distributed
 
@@ -166,7 +166,7 @@ def test_fsdp_dtypes_are_validated_naming_the_key():
 
 
 def test_decoder_layers_and_synced_generation_rule():
-    from lightning_rl.models import load_policy
+    from lightning_rl.models.loading import load_policy
 
     model = load_policy("builtin:tiny-sort", None, False).model
     layers = decoder_layers(model)

@@ -2,7 +2,8 @@
 setup, before any training step, with one ``lightning-rl: error:`` line naming the YAML key and the file
 (and line), and leave an earlier run folder untouched; ``lr: 0`` and a slow reward function get a warning.
 
-Each case runs the real CLI in this process (``lightning_rl.cli.main``, the ``lightning-rl`` entry point): its
+Each case runs the real CLI in this process (``lightning_rl.cli.main.main``, the ``lightning-rl`` entry
+point): its
 ``SystemExit`` message is what Python prints last on stderr, with exit status 1.
 """
 
@@ -20,11 +21,11 @@ import pytest
 import torch
 from helpers import CONFIGS
 
-from lightning_rl.cli import main
+from lightning_rl.cli.main import main
 from lightning_rl.data.prompts import check_rows
-from lightning_rl.models import build_char_tokenizer, tiny_llama_config
-from lightning_rl.policy import Policy
-from lightning_rl.rewards import RewardPipeline, RewardScorer
+from lightning_rl.models.loading import build_char_tokenizer, tiny_llama_config
+from lightning_rl.models.policy import Policy
+from lightning_rl.step.rewards import RewardPipeline, RewardScorer
 
 HERE = Path(__file__).stem
 ROWS = [{"prompt": f"{i}{i + 1}=", "answer": f"{i}{i + 1}"} for i in range(1, 9)]
@@ -156,7 +157,7 @@ def test_dynamic_sampling_without_answers_names_the_correctness_keys(tmp_path):
     assert line.startswith("lightning-rl: error: `model.init_args.reward_fns` (also what decides correctness "
                            "(DAPO's filter")
     assert "`model.init_args.correctness_fn` and `model.init_args.accuracy_fn` are unset" in line
-    assert "`lightning_rl.rewards:exact_match` needs the data column `answer`" in line
+    assert "`lightning_rl.step.rewards:exact_match` needs the data column `answer`" in line
     assert f"train rows of `data.path`={data} do not have (columns: prompt)" in line
     assert "set `data.init_args.answer_column` to the column holding the reference answers" in line
 
@@ -166,10 +167,10 @@ def test_a_correctness_fn_that_needs_missing_columns_names_its_key(tmp_path):
     data = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": r["prompt"]} for r in ROWS])
     line = fails(tmp_path, "--data.init_args.path", data, "--data.init_args.answer_column", "null",
                  "--model.init_args.reward_fns", f"[{HERE}:length_reward]",
-                 "--model.init_args.correctness_fn", "lightning_rl.rewards:exact_match",
+                 "--model.init_args.correctness_fn", "lightning_rl.step.rewards:exact_match",
                  "--trainer.limit_val_batches", "0", config="dapo.yaml")
     assert line.startswith("lightning-rl: error: `model.init_args.correctness_fn`: "
-                           "`lightning_rl.rewards:exact_match` needs the data column `answer`")
+                           "`lightning_rl.step.rewards:exact_match` needs the data column `answer`")
     assert f"`data.path`={data}" in line and "`data.init_args.answer_column`" in line
 
 
@@ -198,7 +199,7 @@ def test_lr_zero_and_a_slow_reward_function_warn_once(tmp_path, recwarn):
 
 
 def test_lr_zero_warns_only_when_no_rate_ever_moves():
-    from lightning_rl.input_checks import warn_if_lr_is_zero
+    from lightning_rl.algorithms.input_checks import warn_if_lr_is_zero
 
     param = torch.nn.Parameter(torch.zeros(1))
 

@@ -18,8 +18,8 @@ import pytest
 
 from lightning_rl.algorithms import SFT
 from lightning_rl.data import PreferenceDataModule, PromptDataModule
-from lightning_rl.models import build_char_tokenizer, load_policy, tiny_llama_config
-from lightning_rl.policy import Policy
+from lightning_rl.models.loading import build_char_tokenizer, load_policy, tiny_llama_config
+from lightning_rl.models.policy import Policy
 
 PAIRS = [{"prompt": f"{i}{i + 1}=", "chosen": f"{i}{i + 1}", "rejected": f"{i + 1}{i}"} for i in range(1, 9)]
 PROMPTS = [{"prompt": f"{i}{i + 1}=", "answer": f"{i}{i + 1}"} for i in range(1, 9)]
@@ -77,7 +77,9 @@ def tiny_folder(path: Path, padding_side: str | None) -> Path:
 
 # ------------------------------------------------------------------------ 1. missing paths, hub down
 def test_path_or_hub_id():
-    from lightning_rl.models import looks_local  # new in issue 8 (imported here so older code fails per test)
+    from lightning_rl.models.loading import (
+        looks_local,  # new in issue 8 (imported here so older code fails per test)
+    )
 
     assert looks_local("./m") and looks_local("/abs/m") and looks_local("~/m") and looks_local("a/b/c")
     assert looks_local("train.jsonl") and looks_local("nope_dir/model.safetensors")

@@ -1,6 +1,7 @@
-"""Layering: the core imports neither the data package nor the callbacks when it is imported, and no module
-imports another's private names. Shared names live in the core (``lightning_rl.keys``, ``lightning_rl.pairs``)
-and stay importable from their old places in ``lightning_rl.data``."""
+"""Layering: the core is layers, each importing only the layers below it (text < maths < models < step <
+episodes < algorithms < cli); it imports neither the data package nor the callbacks when it is imported;
+and no module imports another's private names. Shared names live in the core (``lightning_rl.text.keys``,
+``lightning_rl.text.pairs``) and stay importable from their old places in ``lightning_rl.data``."""
 
 from __future__ import annotations
 
@@ -12,18 +13,76 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# every core module: lightning_rl/*.py and lightning_rl/algorithms/*.py
+PACKAGE = ROOT / "lightning_rl"
+# every core module: everything under lightning_rl/ (data/ and callbacks/ live outside it in the tree)
 CORE = sorted(
-    "lightning_rl." + str(p.relative_to(ROOT / "lightning_rl").with_suffix("")).replace("/", ".")
-    for p in [*(ROOT / "lightning_rl").glob("*.py"), *(ROOT / "lightning_rl" / "algorithms").glob("*.py")]
-    if p.name != "__init__.py"
+    "lightning_rl." + str(p.relative_to(PACKAGE).with_suffix("")).replace("/", ".").removesuffix(".__init__")
+    for p in PACKAGE.rglob("*.py")
 )
+# the layers, lowest first; a module may import its own layer and those before it. `losses` at the top of
+# the package is the published contract (DESIGN.md), a maths-level module.
+LAYERS = ["text", "maths", "models", "step", "episodes", "algorithms", "cli"]
+LEVEL = {**{name: i for i, name in enumerate(LAYERS)}, "losses": LAYERS.index("maths")}
+# the Lightning plugins: only algorithms (default callbacks, the predict writer, the row locator) and the
+# CLI name them, inside functions, so that importing the core never imports them
+PLUGINS = {"data", "callbacks"}
 # files whose imports must not name another module's private (``_``) names
 PUBLIC_IMPORTS = sorted(
     str(p.relative_to(ROOT))
-    for folder in ("lightning_rl", "lightning_rl/algorithms", "data", "callbacks")
-    for p in (ROOT / folder).glob("*.py")
+    for p in [*PACKAGE.rglob("*.py"), *(ROOT / "data").glob("*.py"), *(ROOT / "callbacks").glob("*.py")]
 )
+
+
+def imported_layers(source: str) -> list[tuple[int, str, bool]]:
+    """``(line, layer, at module level)`` for every ``lightning_rl.<layer>`` the source imports."""
+    tree, found = ast.parse(source), []
+    top = {id(node) for node in tree.body}
+    for node in ast.walk(tree):
+        names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module else
+                 [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        if isinstance(node, ast.ImportFrom) and node.module == "lightning_rl":
+            names = [f"lightning_rl.{a.name}" for a in node.names]
+        for name in names:
+            if name.startswith("lightning_rl."):
+                found.append((node.lineno, name.split(".")[1], id(node) in top))
+    return found
+
+
+def layer_violations(path: Path, source: str | None = None) -> list[str]:
+    parts = path.relative_to(PACKAGE).parts
+    mine = parts[0] if len(parts) > 1 else path.stem
+    bad = []
+    for line, layer, module_level in imported_layers(path.read_text() if source is None else source):
+        if layer in PLUGINS:
+            allowed = LEVEL[mine] >= LEVEL["algorithms"] and not module_level
+        else:
+            allowed = LEVEL[layer] <= LEVEL[mine]
+        if not allowed:
+            bad.append(f"{path.relative_to(ROOT)}:{line} ({mine}) imports lightning_rl.{layer}")
+    return bad
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_every_core_module_imports_only_its_layer_and_those_below(path):
+    assert not layer_violations(path)
+
+
+def test_an_upward_import_is_caught():
+    """The check fails on deliberately upward imports: the maths importing the rollout record, and a stage
+    importing the callbacks (even inside a function)."""
+    upward = "from lightning_rl.step.rollout import Rollout\n"
+    maths = layer_violations(PACKAGE / "maths" / "probe.py", upward)
+    assert maths == ["lightning_rl/maths/probe.py:1 (maths) imports lightning_rl.step"]
+    stage = "def f():\n    from lightning_rl.callbacks import RLCallback\n"
+    assert layer_violations(PACKAGE / "step" / "probe.py", stage) == [
+        "lightning_rl/step/probe.py:2 (step) imports lightning_rl.callbacks"]
+    lazy_plugin = "def f():\n    from lightning_rl.callbacks import ExportPolicy\n"
+    assert layer_violations(PACKAGE / "algorithms" / "probe.py", lazy_plugin) == []
+
+
+def test_every_subpackage_is_a_layer():
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(LAYERS)
 
 
 @pytest.mark.slow
@@ -51,8 +110,8 @@ def test_no_private_names_imported_from_other_modules(path):
 
 
 def test_shared_names_live_in_the_core_and_stay_importable_from_the_data_package():
-    from lightning_rl import keys, pairs
     from lightning_rl.data import preference, prompts, validation
+    from lightning_rl.text import keys, pairs
 
     assert validation.VAL_WEIGHT_KEY is keys.VAL_WEIGHT_KEY == "_weight"
     assert prompts.ROW_INDEX_KEY is keys.ROW_INDEX_KEY == "_row"
@@ -61,7 +120,7 @@ def test_shared_names_live_in_the_core_and_stay_importable_from_the_data_package
 
 
 def test_pad_rows_pads_on_either_side():
-    from lightning_rl.pairs import pad_rows
+    from lightning_rl.text.pairs import pad_rows
 
     ids, mask = pad_rows([[5, 6, 7], [8]], pad_id=0, left=True)
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]

@@ -73,7 +73,7 @@ def test_grpo_run_with_top_k_top_p_logs_finite_loss_and_kl_every_step(tmp_path):
 
 
 def test_nonfinite_behaviour_logprobs_are_excluded_and_counted():
-    from lightning_rl.rollout import Rollout, exclude_nonfinite
+    from lightning_rl.step.rollout import Rollout, exclude_nonfinite
 
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     rollout = Rollout(prompt_ids=torch.ones(2, 1, dtype=torch.long),

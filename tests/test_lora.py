@@ -15,14 +15,14 @@ import torch
 from helpers import CONFIGS, make, make_trainer, run_cli, scalars
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lightning_rl.adapters import PEFT_EXTRA, base_state_dict
 from lightning_rl.algorithms import DPO, GRPO, PPO
 from lightning_rl.callbacks import ExportPolicy
-from lightning_rl.cli import ConfigError
+from lightning_rl.cli.main import ConfigError
 from lightning_rl.data import PromptDataModule
 from lightning_rl.data.preference import PreferenceDataModule
-from lightning_rl.models import EMBEDDED_MODEL
-from lightning_rl.scoring import eval_mode
+from lightning_rl.models.adapters import PEFT_EXTRA, base_state_dict
+from lightning_rl.models.loading import EMBEDDED_MODEL
+from lightning_rl.models.scoring import eval_mode
 
 peft = pytest.importorskip("peft")
 
@@ -246,7 +246,7 @@ def test_bad_peft_settings_name_the_key(spec, match):
 
 
 def test_lora_config_from_the_command_line_a_short_class_name_or_an_instance(tmp_path):
-    from lightning_rl.cli import LightningRLCLI
+    from lightning_rl.cli.main import LightningRLCLI
 
     args = ["--config", CONFIGS / "grpo_lora.yaml", "--model.init_args.peft.init_args.r", "2",
             "--trainer.logger.init_args.save_dir", tmp_path]

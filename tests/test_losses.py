@@ -1,4 +1,5 @@
-"""Tests for lightning_rl.losses: hand-computed values (arithmetic in the comments), edge cases, gradcheck,
+"""Tests for lightning_rl.maths.losses: hand-computed values (arithmetic in the comments), edge cases,
+gradcheck,
 micro-batch gradient invariance and every validation error."""
 
 import inspect
@@ -687,7 +688,7 @@ def _trl_cispo(per_token_logps, old_per_token_logps, advantages, completion_mask
 
 
 def test_cispo_matches_verl_and_trl():
-    from lightning_rl.objective import Objective
+    from lightning_rl.maths.objective import Objective
 
     torch.manual_seed(0)
     logp = (torch.randn(4, 6, dtype=F64) - 1.0).requires_grad_()
@@ -845,7 +846,7 @@ def test_kl_clamp_bounds_a_spike_and_logs_the_max_and_how_often():
     assert m["policy/kl_ref"].item() == pytest.approx((142.4132 + 0.3068528) / 2, rel=1e-5)  # unclamped
     free, m = L.policy_loss(logp, logp.detach(), ref, adv, mask, aggregation="token-mean", kl_coef=0.1)
     assert free.item() == pytest.approx(7.136002, rel=1e-5) and "policy/kl_clamp_frac" not in m
-    from lightning_rl.objective import Objective
+    from lightning_rl.maths.objective import Objective
 
     with pytest.raises(ValueError, match="model.kl_clamp"):
         Objective(kl_coef=0.1, kl_clamp=0.0)

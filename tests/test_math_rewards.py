@@ -1,4 +1,4 @@
-"""Tests for lightning_rl.math_rewards: final-answer extraction, math-verify answer checking (equivalent
+"""Tests for lightning_rl.step.math_rewards: final-answer extraction, math-verify answer checking (equivalent
 forms score 1, wrong or missing answers 0, never an exception), the <think>/<answer> format reward, the
 missing-extra message, timeouts off the main thread, and the reward through RewardScorer by import path."""
 
@@ -10,9 +10,9 @@ import threading
 
 import pytest
 
-from lightning_rl import math_rewards
-from lightning_rl.math_rewards import extract_answer, format_reward, math_verify_reward
-from lightning_rl.rewards import RewardError, RewardScorer
+from lightning_rl.step import math_rewards
+from lightning_rl.step.math_rewards import extract_answer, format_reward, math_verify_reward
+from lightning_rl.step.rewards import RewardError, RewardScorer
 
 
 # ------------------------------------------------------------------------------------------- extraction
@@ -164,7 +164,7 @@ def test_missing_extra_names_it(monkeypatch):
     assert extract_answer("\\boxed{1}") == "1"
     assert format_reward(completions=["<think></think><answer>1</answer>"]) == [1.0]
     # through the scorer the error names the function and the extra
-    scorer = RewardScorer(["lightning_rl.math_rewards:math_verify_reward"])
+    scorer = RewardScorer(["lightning_rl.step.math_rewards:math_verify_reward"])
     with pytest.raises(RewardError, match=r"math_verify_reward.*lightning-rl\[math\]"):
         scorer(["q"], ["\\boxed{1}"], answer=["1"])
 
@@ -196,7 +196,7 @@ def test_format_reward(completion, expected):
 # ------------------------------------------------------------------------------------ through the contract
 def test_scorer_by_import_path():
     scorer = RewardScorer(
-        ["lightning_rl.math_rewards:math_verify_reward", "lightning_rl.math_rewards:format_reward"],
+        ["lightning_rl.step.math_rewards:math_verify_reward", "lightning_rl.step.math_rewards:format_reward"],
         weights=[1.0, 0.1],
     )
     prompts = ["What is half of one?"] * 2 + ["Natalia sold 48 clips in April and half as many in May..."] * 2

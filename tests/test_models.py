@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lightning_rl.critic import load_critic
-from lightning_rl.models import (
+from lightning_rl.models.critic import load_critic
+from lightning_rl.models.loading import (
     EMBEDDED_MODEL,
     build_char_tokenizer,
     load_policy,
@@ -19,8 +19,8 @@ from lightning_rl.models import (
     tiny_llama_config,
     torch_dtype,
 )
-from lightning_rl.reward_model import load_reward_network
-from lightning_rl.scoring import enable_gradient_checkpointing, is_gradient_checkpointing, keep_logits
+from lightning_rl.models.reward_model import load_reward_network
+from lightning_rl.models.scoring import enable_gradient_checkpointing, is_gradient_checkpointing, keep_logits
 
 
 @pytest.fixture()

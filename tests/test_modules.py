@@ -18,7 +18,7 @@ MODULES = sorted({m.name for p in PACKAGES for m in pkgutil.walk_packages(p.__pa
 
 
 def test_the_walk_finds_the_core_the_algorithms_the_data_and_the_callbacks():
-    for name in ("lightning_rl.losses", "lightning_rl.algorithms.online", "lightning_rl.data.prompts",
+    for name in ("lightning_rl.maths.losses", "lightning_rl.algorithms.online", "lightning_rl.data.prompts",
                  "lightning_rl.callbacks.checkpoints"):
         assert name in MODULES
     assert len(MODULES) > 60

@@ -21,7 +21,7 @@ import torch
 from helpers import scalars
 from safetensors.torch import load_file
 
-from lightning_rl.models import EMBEDDED_MODEL
+from lightning_rl.models.loading import EMBEDDED_MODEL
 
 pytestmark = pytest.mark.distributed
 

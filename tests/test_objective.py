@@ -1,4 +1,4 @@
-"""Tests for lightning_rl.objective: every named preset of ``Objective`` equals its contract loss in
+"""Tests for lightning_rl.maths.objective: every named preset of ``Objective`` equals its contract loss in
 ``losses.py`` in value and gradient, and both equal a naive re-implementation written here from the
 formulas of DESIGN.md (so a bug shared by the two library paths cannot hide). Hand-worked values are
 in the comments."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_rl import losses as L
-from lightning_rl.objective import Objective
+from lightning_rl.maths.objective import Objective
 
 F64 = torch.float64
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")

@@ -19,13 +19,13 @@ from transformers import AutoTokenizer
 
 from lightning_rl.algorithms import DAPO, GRPO
 from lightning_rl.callbacks.base import RLCallback
-from lightning_rl.collectives import Collectives
 from lightning_rl.data import PromptDataModule
-from lightning_rl.estimators import GroupNormalized
-from lightning_rl.logprobs import score_rollout
-from lightning_rl.losses import dapo_group_keep
-from lightning_rl.rewards import exact_match
-from lightning_rl.rollout import Rollout
+from lightning_rl.maths.losses import dapo_group_keep
+from lightning_rl.step.collectives import Collectives
+from lightning_rl.step.estimators import GroupNormalized
+from lightning_rl.step.logprobs import score_rollout
+from lightning_rl.step.rewards import exact_match
+from lightning_rl.step.rollout import Rollout
 
 HERE = __name__  # functions below are named by import path, as in YAML
 
@@ -187,7 +187,7 @@ def length_reward(completions, **_):
 def test_scale_advantages_inside_the_module(tmp_path, scale):
     # rewards: exact match + 0.1 x completion length, so groups have many different spreads
     module = make(GRPO, kl_coef=0.0, advantage=GroupNormalized(scale=scale), reward_weights=[1.0, 0.1],
-                  reward_fns=["lightning_rl.rewards:exact_match", f"{HERE}:length_reward"])
+                  reward_fns=["lightning_rl.step.rewards:exact_match", f"{HERE}:length_reward"])
     cap = Capture()
     make_trainer(tmp_path, max_steps=1, callbacks=[cap]).fit(module, datamodule())
     (rollout,) = cap.rollouts
@@ -213,7 +213,7 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['conten
 def templated_model(tmp_path):
     """The embedded model with a chat template in its tokenizer folder, and a tokenizer that adds <bos> to
     every plain encoding (as Llama's does): a template that holds BOS itself must not get a second one."""
-    from lightning_rl.models import EMBEDDED_MODEL
+    from lightning_rl.models.loading import EMBEDDED_MODEL
 
     folder = tmp_path / "chat_model"
     shutil.copytree(EMBEDDED_MODEL, folder)
@@ -358,18 +358,18 @@ def test_correctness_follows_the_main_reward_unless_accuracy_fn_is_set(caplog):
     correctness with numeric_match (full score), not exact_match, and the first validation line says so."""
     from helpers import make
 
-    numeric = make(reward_fns=["lightning_rl.rewards:numeric_match"])
+    numeric = make(reward_fns=["lightning_rl.step.rewards:numeric_match"])
     columns = {"answer": ["12", "12"]}
     assert numeric.correct(["q", "q"], ["so it is 12", "13"], columns) == [True, False]
     assert numeric.correctness_fn is numeric.accuracy_fn
     assert "numeric_match (correct at its full score" in numeric.accuracy_name
-    weighted = make(reward_fns=["lightning_rl.rewards:exact_match", "lightning_rl.rewards:numeric_match"],
-                    reward_weights=[0.5, 1.0])
-    assert weighted.accuracy_name.startswith("lightning_rl.rewards:numeric_match")
-    explicit = make(reward_fns=["lightning_rl.rewards:numeric_match"],
-                    accuracy_fn="lightning_rl.rewards:exact_match")
+    weighted = make(reward_fns=["lightning_rl.step.rewards:exact_match",
+                                "lightning_rl.step.rewards:numeric_match"], reward_weights=[0.5, 1.0])
+    assert weighted.accuracy_name.startswith("lightning_rl.step.rewards:numeric_match")
+    explicit = make(reward_fns=["lightning_rl.step.rewards:numeric_match"],
+                    accuracy_fn="lightning_rl.step.rewards:exact_match")
     assert explicit.correct(["q"], ["so it is 12"], {"answer": ["12"]}) == [False]
-    assert explicit.accuracy_name == "lightning_rl.rewards:exact_match"
+    assert explicit.accuracy_name == "lightning_rl.step.rewards:exact_match"
 
 
 @pytest.mark.slow

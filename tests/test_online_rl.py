@@ -20,12 +20,12 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_rl.algorithms import DAPO, GRPO, GSPO, SAPO, OnlineRL
 from lightning_rl.callbacks.base import RLCallback
-from lightning_rl.collectives import Collectives
 from lightning_rl.data import PromptDataModule
-from lightning_rl.logprobs import LogProbPasses, resolve_behaviour, score_rollout
-from lightning_rl.losses import dapo_group_keep, normalizer_counts, overlong_penalty
-from lightning_rl.rewards import RewardError
-from lightning_rl.rollout import Rollout
+from lightning_rl.maths.losses import dapo_group_keep, normalizer_counts, overlong_penalty
+from lightning_rl.step.collectives import Collectives
+from lightning_rl.step.logprobs import LogProbPasses, resolve_behaviour, score_rollout
+from lightning_rl.step.rewards import RewardError
+from lightning_rl.step.rollout import Rollout
 
 HERE = __name__  # reward functions below are named by import path, as in YAML
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -432,7 +432,7 @@ def test_raising_reward_names_the_function(tmp_path):
 
 
 def test_nan_reward_names_function_and_sample(tmp_path):
-    module = make(reward_fns=["lightning_rl.rewards:exact_match", f"{HERE}:nan_reward"])
+    module = make(reward_fns=["lightning_rl.step.rewards:exact_match", f"{HERE}:nan_reward"])
     fit_expecting(module, tmp_path, RewardError, rf"`{HERE}:nan_reward` returned nan for sample 2")
 
 
@@ -484,7 +484,7 @@ def test_long_prompt_is_found_past_the_first_thousand_rows(tmp_path):
 
 def bos_model(tmp_path) -> Path:
     """The embedded model whose tokenizer adds <bos> to every encoding (as Llama / Gemma tokenizers do)."""
-    from lightning_rl.models import EMBEDDED_MODEL
+    from lightning_rl.models.loading import EMBEDDED_MODEL
 
     folder = tmp_path / "bos_model"
     shutil.copytree(EMBEDDED_MODEL, folder)
@@ -517,7 +517,7 @@ def test_prompt_too_long_only_with_bos_fails_before_training(tmp_path):
 
 @pytest.mark.parametrize(("cls", "kw", "key"), [
     (GRPO, {"num_generations": 1}, "model.num_generations"),
-    (GRPO, {"reward_fns": ["lightning_rl.rewards:exact_match"], "reward_weights": [1.0, 2.0]},
+    (GRPO, {"reward_fns": ["lightning_rl.step.rewards:exact_match"], "reward_weights": [1.0, 2.0]},
      "model.reward_weights"),
     (DAPO, {"overlong_buffer": 9}, "model.overlong_buffer"),
     (GRPO, {"micro_batch_size": 0}, "model.micro_batch_size"),

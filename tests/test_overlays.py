@@ -10,7 +10,7 @@ import yaml
 from helpers import CONFIGS, run_cli, scalars
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
-from lightning_rl.cli import ConfigError, LightningRLCLI
+from lightning_rl.cli.main import ConfigError, LightningRLCLI
 
 STRATEGY = CONFIGS / "strategy"
 OVERLAYS = sorted(STRATEGY.glob("*.yaml"))
@@ -19,7 +19,7 @@ ALGORITHMS = ["grpo.yaml", "dpo.yaml"]
 EXPECTED = {
     "ddp.yaml": {"strategy": "ddp"},
     "multinode.yaml": {"strategy": "ddp", "num_nodes": 2},
-    "fsdp2.yaml": {"strategy": {"class_path": "lightning_rl.strategies.FSDP2Strategy",
+    "fsdp2.yaml": {"strategy": {"class_path": "lightning_rl.models.strategies.FSDP2Strategy",
                                 "init_args": {"data_parallel_size": "auto", "tensor_parallel_size": 1}}},
     "deepspeed_zero2.yaml": {"strategy": {"class_path": "lightning.pytorch.strategies.DeepSpeedStrategy",
                                           "init_args": {"stage": 2}}},
@@ -206,7 +206,7 @@ def test_example_resolves_through_the_cli(capsys):
     assert "callbacks" not in trainer or not trainer["callbacks"]
     assert config["model"]["class_path"] == "lightning_rl.algorithms.GRPO"
     assert model["model"] == "Qwen/Qwen2.5-0.5B-Instruct" and model["chat_template"] is True
-    assert model["reward_fns"] == ["lightning_rl.math_rewards:math_verify_reward"]
+    assert model["reward_fns"] == ["lightning_rl.step.math_rewards:math_verify_reward"]
     assert (data["prompt_column"], data["answer_column"]) == ("question", "answer")
 
 

@@ -43,4 +43,4 @@ def test_wheel_contains_every_module_under_lightning_rl(tmp_path):
     top = {n.split("/")[0] for n in names}
     assert "callbacks" not in top and "data" not in top, f"top-level packages leaked: {top}"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "lightning-rl = lightning_rl.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "lightning-rl = lightning_rl.cli.main:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

@@ -1,4 +1,4 @@
-"""Tests for lightning_rl.policy on tiny models built from a config and a character tokenizer."""
+"""Tests for lightning_rl.models.policy on tiny models built from a config and a character tokenizer."""
 
 import warnings
 
@@ -7,7 +7,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import GPT2Config, LlamaConfig, PreTrainedTokenizerFast
 
-from lightning_rl.policy import Generation, Policy, ReferencePolicy, completion_mask
+from lightning_rl.models.policy import Generation, Policy, ReferencePolicy, completion_mask
 
 CHARS = list("0123456789=abcdefghijklmnopqrstuvwxyz ")
 PAD, EOS = 0, 1

@@ -15,7 +15,7 @@ from rank_jobs import run_here
 from lightning_rl.algorithms import GRPO, PPO
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.data import PromptDataModule
-from lightning_rl.losses import (
+from lightning_rl.maths.losses import (
     adaptive_kl_coef,
     explained_variance,
     gae_advantages,
@@ -232,7 +232,7 @@ def test_killed_ppo_run_resumes_exactly_and_exports_policy_and_critic(tmp_path):
 @pytest.fixture(scope="module")
 def reward_folder(tmp_path_factory) -> Path:
     """A one-label sequence classifier on the embedded backbone (untrained head), saved like an export."""
-    from lightning_rl.reward_model import load_reward_network
+    from lightning_rl.models.reward_model import load_reward_network
 
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("rm") / "reward_model"
@@ -262,10 +262,10 @@ class Rollouts(RLCallback):
 @pytest.mark.slow
 def test_reward_model_scores_are_added_to_the_reward_functions(tmp_path, reward_folder):
     """rewards = exact_match + 0.5 x the reward model's score of the rendered prompt + completion text."""
-    from lightning_rl.reward_model import RewardModelScorer
+    from lightning_rl.models.reward_model import RewardModelScorer
 
     module = make(GRPO, reward_model=str(reward_folder), reward_model_weight=0.5,
-                  reward_fns=["lightning_rl.rewards:exact_match"])
+                  reward_fns=["lightning_rl.step.rewards:exact_match"])
     seen = Rollouts()
     trainer = make_trainer(tmp_path, max_steps=1, callbacks=[seen])
     trainer.fit(module, PromptDataModule(batch_size=2, max_val_rows=8))

@@ -12,7 +12,7 @@ from rank_jobs import PREDICT_ROWS
 
 from lightning_rl.callbacks import WritePredictions
 from lightning_rl.data import PromptDataModule
-from lightning_rl.rewards import exact_match
+from lightning_rl.step.rewards import exact_match
 
 # held-out sort-task rows, and one the warm-started model gets right greedily ("80684=")
 ROWS = PREDICT_ROWS

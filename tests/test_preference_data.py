@@ -16,7 +16,7 @@ from lightning_rl.data.preference import (
     sort_pairs,
     split_implicit_prompt,
 )
-from lightning_rl.models import build_char_tokenizer
+from lightning_rl.models.loading import build_char_tokenizer
 
 ROWS = [
     {"prompt": "12=", "chosen": "12", "rejected": "21", "answer": "12"},
@@ -250,7 +250,7 @@ def test_builtin_pairs_use_held_out_prompts_for_validation():
 
 
 def test_builtin_pairs_regenerate_deterministically():
-    from lightning_rl.models import load_policy
+    from lightning_rl.models.loading import load_policy
 
     policy = load_policy("builtin:tiny-sort")
     shipped = [json.loads(line) for line in BUILTIN_VAL.read_text().splitlines()[:64]]

@@ -21,11 +21,11 @@ from lightning_rl.data.reasoning_gym import (
     reasoning_gym_correct,
     reasoning_gym_score,
 )
-from lightning_rl.engine import SamplingParams, make_generation  # noqa: E402
-from lightning_rl.environments import EpisodeRunner  # noqa: E402
-from lightning_rl.models import build_char_tokenizer  # noqa: E402
-from lightning_rl.pairs import pad_rows  # noqa: E402
-from lightning_rl.tools import PlainFormat  # noqa: E402
+from lightning_rl.episodes.environments import EpisodeRunner  # noqa: E402
+from lightning_rl.episodes.tools import PlainFormat  # noqa: E402
+from lightning_rl.models.generation import SamplingParams, make_generation  # noqa: E402
+from lightning_rl.models.loading import build_char_tokenizer  # noqa: E402
+from lightning_rl.text.pairs import pad_rows  # noqa: E402
 
 TASKS = ["basic_arithmetic", "leg_counting"]
 TOK = build_char_tokenizer()

@@ -20,8 +20,8 @@ import torch
 from helpers import CONFIGS
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_rl.cli import find_last_checkpoint, main
-from lightning_rl.resume import newest_checkpoint
+from lightning_rl.cli.main import find_last_checkpoint, main
+from lightning_rl.cli.resume import newest_checkpoint
 
 TINY = ["--data.init_args.batch_size", "2", "--model.init_args.num_generations", "2",
         "--data.init_args.max_val_rows", "2", "--data.init_args.val_batch_size", "2",
@@ -135,7 +135,7 @@ def test_checkpoint_that_is_not_a_lightning_checkpoint_is_named_in_the_last_line
 
 
 def test_a_real_checkpoint_passes_the_look_inside(tmp_path):
-    from lightning_rl.resume import checkpoint_file_problem
+    from lightning_rl.cli.resume import checkpoint_file_problem
 
     path = tmp_path / "real.ckpt"
     torch.save({"state_dict": {"w": torch.zeros(2)}, "pytorch-lightning_version": L.__version__,

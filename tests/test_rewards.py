@@ -1,4 +1,4 @@
-"""Tests for lightning_rl.rewards: verifiable-answer rewards, import paths, and RewardScorer's weights,
+"""Tests for lightning_rl.step.rewards: verifiable-answer rewards, import paths, and RewardScorer's weights,
 error modes (messages name the function and the sample) and dataset columns passed as keywords."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from lightning_rl.rewards import (
+from lightning_rl.step.rewards import (
     RewardError,
     RewardScorer,
     exact_match,
@@ -97,14 +97,15 @@ def test_numeric_match_batch_and_tolerance():
 
 # --------------------------------------------------------------------------------------- import paths
 def test_import_reward_forms():
-    assert import_reward("lightning_rl.rewards:exact_match") is exact_match
-    assert import_reward("lightning_rl.rewards.numeric_match") is numeric_match  # dotted form
+    assert import_reward("lightning_rl.step.rewards:exact_match") is exact_match
+    assert import_reward("lightning_rl.step.rewards.numeric_match") is numeric_match  # dotted form
     assert import_reward(f"{HERE}:half") is half
 
 
 @pytest.mark.parametrize(("path", "match"), [
     ("no_such_module_xyz:fn", "cannot import reward function `no_such_module_xyz:fn`"),
-    ("lightning_rl.rewards:no_such_fn", "cannot import reward function `lightning_rl.rewards:no_such_fn`"),
+    ("lightning_rl.step.rewards:no_such_fn",
+     "cannot import reward function `lightning_rl.step.rewards:no_such_fn`"),
     (f"{HERE}:NOT_CALLABLE", "is not callable"),
     ("justaname", "must look like `package.module:function`"),
     (":fn", "must look like"),
@@ -122,7 +123,7 @@ ANSWERS = ["ab", "x", "abcd", "y"]
 
 
 def test_scorer_weighted_sum():
-    scorer = RewardScorer(["lightning_rl.rewards:exact_match", f"{HERE}:half", f"{HERE}:length_reward"],
+    scorer = RewardScorer(["lightning_rl.step.rewards:exact_match", f"{HERE}:half", f"{HERE}:length_reward"],
                           weights=[2.0, -1.0, 0.25])
     totals, errors = scorer(PROMPTS, COMPLETIONS, answer=ANSWERS)
     # 2 * exact - 0.5 + 0.25 * len: "ab" 2 - .5 + .5 = 2.0; "b" 0 - .5 + .25 = -0.25;
@@ -132,7 +133,7 @@ def test_scorer_weighted_sum():
 
 
 def test_scorer_default_weights_are_one():
-    scorer = RewardScorer(["lightning_rl.rewards:exact_match", f"{HERE}:half"])
+    scorer = RewardScorer(["lightning_rl.step.rewards:exact_match", f"{HERE}:half"])
     totals, _ = scorer(PROMPTS, COMPLETIONS, answer=ANSWERS)
     assert totals == pytest.approx([1.5, 0.5, 1.5, 0.5])
 
@@ -162,8 +163,8 @@ def test_scorer_raise_mode_names_function_and_sample(fn, sample):
 
 
 def test_scorer_zero_mode_scores_failed_samples_zero_and_counts_them():
-    scorer = RewardScorer(["lightning_rl.rewards:exact_match", f"{HERE}:nan_at_one", f"{HERE}:inf_at_two"],
-                          on_error="zero")
+    scorer = RewardScorer(["lightning_rl.step.rewards:exact_match", f"{HERE}:nan_at_one",
+                           f"{HERE}:inf_at_two"], on_error="zero")
     totals, errors = scorer(PROMPTS, ["ab", "x", "abcd", "y"], answer=["ab", "x", "abcd", "z"])
     # exact match (1, 1, 1, 0) + nan_at_one (1, NaN, 1, 1) + inf_at_two (0, 0, inf, 0):
     # samples 1 and 2 failed -> 0 (even though exact_match scored them 1); sample 0: 2, sample 3: 1
@@ -186,9 +187,9 @@ def test_scorer_wrong_number_of_values_always_raises(on_error):
 
 @pytest.mark.parametrize(("args", "match"), [
     (dict(fns=[]), "model.reward_fns"),
-    (dict(fns=["lightning_rl.rewards:exact_match"], weights=[1.0, 2.0]), "model.reward_weights"),
-    (dict(fns=["lightning_rl.rewards:exact_match"], on_error="ignore"), "model.on_reward_error"),
-    (dict(fns=["lightning_rl.rewards:nope"]), "cannot import"),
+    (dict(fns=["lightning_rl.step.rewards:exact_match"], weights=[1.0, 2.0]), "model.reward_weights"),
+    (dict(fns=["lightning_rl.step.rewards:exact_match"], on_error="ignore"), "model.on_reward_error"),
+    (dict(fns=["lightning_rl.step.rewards:nope"]), "cannot import"),
 ])
 def test_scorer_config_errors(args, match):
     with pytest.raises(ValueError, match=match):

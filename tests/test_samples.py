@@ -13,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from lightning_rl.callbacks import LogSamples
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.callbacks.samples import escape_cell, markdown_table, spread_rows
-from lightning_rl.rollout import Rollout
+from lightning_rl.step.rollout import Rollout
 
 
 def texts(log_dir) -> dict[str, list[tuple[int, str]]]:

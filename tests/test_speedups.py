@@ -11,7 +11,7 @@ from ddp_update import fixed_rollout
 from helpers import datamodule, make, make_trainer, update
 
 from lightning_rl.algorithms import GRPO
-from lightning_rl.scoring import shared_prompts
+from lightning_rl.models.scoring import shared_prompts
 
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
@@ -46,7 +46,7 @@ def test_shared_prompt_prefix_keeps_the_gradient_in_every_aggregation_mode(tmp_p
     """Both fast forms: the output layer on real completion tokens only (plain-head models such as the
     embedded Llama), and the generic one (any causal LM: full logits on top of the shared prefix)."""
     if not head_on_real_tokens:
-        monkeypatch.setattr("lightning_rl.scoring.PLAIN_HEAD_MODELS", ())
+        monkeypatch.setattr("lightning_rl.models.scoring.PLAIN_HEAD_MODELS", ())
     plain, off = _grads(tmp_path, share=False)
     shared, on = _grads(tmp_path, share=True)
     assert on and not off
@@ -71,7 +71,7 @@ def test_shared_prompts_finds_each_distinct_prompt_once():
 def test_shared_prefix_log_probs_and_entropy_equal_the_one_pass_form(temperature, head_on_real_tokens,
                                                                     monkeypatch):
     if not head_on_real_tokens:
-        monkeypatch.setattr("lightning_rl.scoring.PLAIN_HEAD_MODELS", ())
+        monkeypatch.setattr("lightning_rl.models.scoring.PLAIN_HEAD_MODELS", ())
     module = make(GRPO)
     policy = module.policy
     policy.disable_dropout()
@@ -104,7 +104,8 @@ def test_prefilled_generation_samples_what_plain_generation_samples():
 
 
 def test_compacting_sampler_draws_from_the_models_distribution():
-    """lightning_rl.sampling: greedy equals transformers' greedy; top-k 1 sampling is greedy; and the first
+    """lightning_rl.models.sampling: greedy equals transformers' greedy; top-k 1 sampling is greedy; and the
+    first
     sampled token's frequencies over 4000 draws match the model's tempered softmax."""
     module = make(GRPO)
     policy = module.policy

@@ -1,5 +1,5 @@
 """Stage-level tests of the online RL step, without a model or a trainer: DAPO's dynamic sampling
-(lightning_rl.filters.DynamicSampling) with a refill closure, on one process and under a fake multi-rank
+(lightning_rl.step.filters.DynamicSampling) with a refill closure, on one process and under a fake multi-rank
 strategy (the rounds are agreed over ranks)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_rl.collectives import Collectives
-from lightning_rl.filters import DynamicSampling
-from lightning_rl.rollout import Rollout, merge_stats
+from lightning_rl.step.collectives import Collectives
+from lightning_rl.step.filters import DynamicSampling
+from lightning_rl.step.rollout import Rollout, merge_stats
 
 
 def fake_rollout(correct: list[list[int]], tag: int, rewards: list[list[float]] | None = None) -> Rollout:

@@ -12,9 +12,10 @@ from helpers import datamodule, logprobs, make, make_trainer, update
 
 from lightning_rl.algorithms import GRPO
 from lightning_rl.callbacks import LogSamples, RLCallback
-from lightning_rl.engine import RolloutEngine, SamplingParams, make_generation
-from lightning_rl.losses import policy_loss
-from lightning_rl.rollout import Rollout, exclude_nonfinite
+from lightning_rl.maths.losses import policy_loss
+from lightning_rl.models.generation import SamplingParams, make_generation
+from lightning_rl.step.engine import RolloutEngine
+from lightning_rl.step.rollout import Rollout, exclude_nonfinite
 
 
 class FakeEngine(RolloutEngine):

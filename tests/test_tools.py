@@ -1,4 +1,5 @@
-"""Tests for lightning_rl.tools: schemas from signatures and docstrings, loading tools by import path, the
+"""Tests for lightning_rl.episodes.tools: schemas from signatures and docstrings, loading tools by import
+path, the
 plain and Hermes call formats, execution with a timeout, and the built-in calculator."""
 
 from __future__ import annotations
@@ -11,9 +12,7 @@ from typing import Literal, Optional
 
 import pytest
 
-from lightning_rl.models import build_char_tokenizer
-from lightning_rl.prompts import render_prompts
-from lightning_rl.tools import (
+from lightning_rl.episodes.tools import (
     HermesFormat,
     PlainFormat,
     Tool,
@@ -26,6 +25,8 @@ from lightning_rl.tools import (
     tool_format,
     tool_schema,
 )
+from lightning_rl.models.loading import build_char_tokenizer
+from lightning_rl.text.prompts import render_prompts
 
 # A Qwen-like template for the char tokenizer (EOS `<eos>`): assistant turns end with `<eos>\n`, tool
 # messages are `<tool_response>` blocks inside one user turn, tools are listed in a system turn.
@@ -160,17 +161,17 @@ def test_schema_refuses_star_args_and_untyped_unions():
 
 # -------------------------------------------------------------------------------------- load_tools
 def test_load_tools_by_colon_or_dot_path():
-    tools = load_tools(["lightning_rl.tools:calculator", "math.sqrt"])
+    tools = load_tools(["lightning_rl.episodes.tools:calculator", "math.sqrt"])
     assert [t.name for t in tools] == ["calculator", "sqrt"]
     assert tools[0].fn is calculator and tools[0].schema == tool_schema(calculator)
 
 
 @pytest.mark.parametrize("entry, message", [
     ("calculator", "must look like `package.module:function`"),
-    ("lightning_rl.tools:", "must look like `package.module:function`"),
+    ("lightning_rl.episodes.tools:", "must look like `package.module:function`"),
     ("no_such_module_xyz:f", "cannot import module `no_such_module_xyz`"),
-    ("lightning_rl.tools:nope", "module `lightning_rl.tools` has no attribute `nope`"),
-    ("lightning_rl.keys:VAL_WEIGHT_KEY", "is not callable"),
+    ("lightning_rl.episodes.tools:nope", "module `lightning_rl.episodes.tools` has no attribute `nope`"),
+    ("lightning_rl.text.keys:VAL_WEIGHT_KEY", "is not callable"),
     ("os.path:join", r"tool `join` takes `\*"),
 ])
 def test_load_tools_errors_name_the_key_and_entry(entry, message):
@@ -179,9 +180,9 @@ def test_load_tools_errors_name_the_key_and_entry(entry, message):
 
 
 def test_load_tools_refuses_duplicate_names():
-    with pytest.raises(ValueError, match=r"`model.tools` entry `lightning_rl.tools.calculator`: a tool named "
-                                         r"`calculator` is already listed"):
-        load_tools(["lightning_rl.tools:calculator", "lightning_rl.tools.calculator"])
+    with pytest.raises(ValueError, match=r"`model.tools` entry `lightning_rl.episodes.tools.calculator`: "
+                                         r"a tool named `calculator` is already listed"):
+        load_tools(["lightning_rl.episodes.tools:calculator", "lightning_rl.episodes.tools.calculator"])
 
 
 # ------------------------------------------------------------------------------------- plain format

@@ -15,7 +15,9 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_rl.adapters import (
+from lightning_rl.algorithms.evaluation import Completions, EvaluationSteps
+from lightning_rl.algorithms.input_checks import InputError, check_scoring_columns, warn_if_lr_is_zero
+from lightning_rl.models.adapters import (
     allow_missing_frozen,
     drop_frozen_weights,
     is_peft_model,
@@ -23,23 +25,22 @@ from lightning_rl.adapters import (
     trainable_parameters,
     wrap_model,
 )
-from lightning_rl.algorithms.evaluation import Completions, EvaluationSteps
-from lightning_rl.engine import Generation, HFEngine, RolloutEngine, SamplingParams
-from lightning_rl.input_checks import InputError, check_scoring_columns, warn_if_lr_is_zero
-from lightning_rl.models import load_policy
-from lightning_rl.policy import Policy
-from lightning_rl.prompts import batch_columns as batch_columns  # still importable from here
-from lightning_rl.prompts import real_rows as real_rows
-from lightning_rl.prompts import render_prompts
-from lightning_rl.rewards import import_reward
-from lightning_rl.rng import collect_rng_states, restore_rng_states
-from lightning_rl.sharding import (
+from lightning_rl.models.generation import Generation, SamplingParams
+from lightning_rl.models.loading import load_policy
+from lightning_rl.models.policy import Policy
+from lightning_rl.models.sharding import (
     needs_synced_generation,
     refuse_fsdp1,
     shard_policy_model,
     strategy_is,
     validate_fsdp_args,
 )
+from lightning_rl.step.engine import HFEngine, RolloutEngine
+from lightning_rl.step.rewards import import_reward
+from lightning_rl.step.rng import collect_rng_states, restore_rng_states
+from lightning_rl.text.prompts import batch_columns as batch_columns  # still importable from here
+from lightning_rl.text.prompts import real_rows as real_rows
+from lightning_rl.text.prompts import render_prompts
 
 
 class PolicyModule(EvaluationSteps, L.LightningModule):
@@ -69,12 +70,12 @@ class PolicyModule(EvaluationSteps, L.LightningModule):
             (e.g. ``peft.LoraConfig`` with ``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``),
             applied with ``peft.get_peft_model`` right after loading ``model``. The KL / DPO reference is
             then the same weights with the adapters disabled, and checkpoints hold the adapters and
-            optimiser state only (see ``lightning_rl.adapters``). From Python, a ``peft.PeftConfig``
+            optimiser state only (see ``lightning_rl.models.adapters``). From Python, a ``peft.PeftConfig``
             instance works too. Needs ``pip install 'lightning-rl[peft]'``.
         export_merged: with adapters, the exported policy folder holds the merged weights (a plain causal LM
             for ``AutoModelForCausalLM``) instead of the adapter folder (``adapter_config.json`` +
             ``adapter_model.safetensors``, loaded with ``peft`` on top of the base model).
-        engine: what samples completions (rollouts, validation, predict): a ``lightning_rl.engine``
+        engine: what samples completions (rollouts, validation, predict): a ``lightning_rl.step.engine``
             ``RolloutEngine`` as ``class_path`` + ``init_args``; default the in-process ``HFEngine``.
     """
 
@@ -109,7 +110,8 @@ class PolicyModule(EvaluationSteps, L.LightningModule):
             self.policy.enable_gradient_checkpointing()
         self.chat_template = chat_template
         self.max_prompt_length, self.max_new_tokens = max_prompt_length, max_new_tokens
-        self.accuracy_name = accuracy_fn or "lightning_rl.rewards:exact_match"  # what decides val/accuracy
+        # what decides val/accuracy
+        self.accuracy_name = accuracy_fn or "lightning_rl.step.rewards:exact_match"
         self.accuracy_fn = import_reward(self.accuracy_name)
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
         self.fsdp_cpu_offload = fsdp_cpu_offload
@@ -139,7 +141,8 @@ class PolicyModule(EvaluationSteps, L.LightningModule):
         """FSDP2: ``fully_shard`` each decoder layer, then the policy's model, on the data-parallel mesh.
 
         Only under ``ModelParallelStrategy`` (which sets ``device_mesh``); idempotent. The frozen reference
-        stays whole on each rank (see ``lightning_rl.sharding``). Lightning's FSDP1 strategy is refused.
+        stays whole on each rank (see ``lightning_rl.models.sharding``). Lightning's FSDP1 strategy is
+        refused.
         """
         refuse_fsdp1(self.trainer.strategy)
         mesh = self.device_mesh

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from lightning_rl.algorithms.online import OnlineRL
-from lightning_rl.losses import Aggregation
+from lightning_rl.maths.losses import Aggregation
 
 
 class DAPO(OnlineRL):
@@ -18,7 +18,7 @@ class DAPO(OnlineRL):
         aggregation: ``token-mean`` over the whole minibatch, so long answers weigh per token.
         kl_coef: no KL term to a reference (0.0), as in the paper.
         dynamic_sampling: on: only groups with mixed correctness are trained on, refilled from new prompts
-            (``lightning_rl.filters.DynamicSampling``, up to ``max_gen_batches`` rounds).
+            (``lightning_rl.step.filters.DynamicSampling``, up to ``max_gen_batches`` rounds).
         overlong_buffer: soft overlong punishment over the last this-many tokens of ``max_new_tokens``.
             On by default here: ``auto`` is a fifth of the module's ``max_new_tokens``, at least 1 (the
             paper's 4096 of 20480); ``None`` or 0 turns it off. A completion of L tokens (EOS included)

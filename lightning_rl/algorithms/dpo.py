@@ -27,9 +27,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_rl.algorithms.base import PolicyModule, batch_columns, real_rows
-from lightning_rl.losses import DPO_LOSS_TYPES, DPOLossType, aggregate, dpo_loss
-from lightning_rl.pairs import EncodedPairs, encode_pairs
-from lightning_rl.sharding import prompt_sharing
+from lightning_rl.maths.losses import DPO_LOSS_TYPES, DPOLossType, aggregate, dpo_loss
+from lightning_rl.models.sharding import prompt_sharing
+from lightning_rl.text.pairs import EncodedPairs, encode_pairs
 
 REFERENCE = "reference"
 

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_rl.keys import VAL_WEIGHT_KEY
-from lightning_rl.prompts import batch_columns, real_rows
+from lightning_rl.text.keys import VAL_WEIGHT_KEY
+from lightning_rl.text.prompts import batch_columns, real_rows
 
 
 @dataclass
@@ -87,7 +87,7 @@ class EvaluationSteps:
         rank as many batches, are generated for, then left out). See ``WritePredictions`` for the fields.
         """
         from lightning_rl.callbacks.predictions import WritePredictions
-        from lightning_rl.keys import ROW_INDEX_KEY
+        from lightning_rl.text.keys import ROW_INDEX_KEY
 
         if not hasattr(self, "engine"):
             raise ValueError(f"`predict` generates completions: {type(self).__name__} has no policy to run")

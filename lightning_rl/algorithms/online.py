@@ -2,7 +2,7 @@
 
 engine.generate -> rewards -> filters -> log-prob passes (reference, behaviour) -> values (with a critic)
 -> KL in the reward (optional) -> advantages (once, after filtering) -> updater -> statistics. Each stage
-is a small typed class (``lightning_rl.engine``, ``rewards``, ``filters``, ``logprobs``, ``estimators``,
+is a small typed class (``lightning_rl.step.engine``, ``rewards``, ``filters``, ``logprobs``, ``estimators``,
 ``update``) chosen in YAML; none reaches into this module or the DataModule, and every one returns its
 numbers, which this module logs. Callbacks only observe (``RLCallback``).
 
@@ -20,21 +20,29 @@ import torch
 
 from lightning_rl.algorithms.base import Completions, PolicyModule
 from lightning_rl.algorithms.stepping import ManualSteps
-from lightning_rl.collectives import Collectives
-from lightning_rl.correction import RolloutCorrection
-from lightning_rl.engine import RolloutEngine, SamplingParams
-from lightning_rl.environments import Environment, EpisodeBatch, episode_runner
-from lightning_rl.estimators import AdvantageEstimator, GroupNormalized, KLInReward
-from lightning_rl.filters import DynamicSampling, RolloutFilter
-from lightning_rl.logprobs import BehaviourSource, LogProbPasses, resolve_behaviour, score_values
-from lightning_rl.losses import Aggregation, KLEstimator, RatioLevel, TrustRegion, aggregate, masked_mean
-from lightning_rl.objective import Objective
-from lightning_rl.prompts import batch_columns, render_prompts
-from lightning_rl.reward_model import RewardModelScorer
-from lightning_rl.rewards import FullScore, RewardPipeline, RewardScorer, import_reward, overlong_shaping
-from lightning_rl.rollout import Rollout, exclude_nonfinite, merge_stats
-from lightning_rl.tools import HermesFormat
-from lightning_rl.update import TrainedModel, Updater
+from lightning_rl.episodes.environments import Environment, EpisodeBatch, episode_runner
+from lightning_rl.episodes.tools import HermesFormat
+from lightning_rl.maths.losses import (
+    Aggregation,
+    KLEstimator,
+    RatioLevel,
+    TrustRegion,
+    aggregate,
+    masked_mean,
+)
+from lightning_rl.maths.objective import Objective
+from lightning_rl.models.generation import SamplingParams
+from lightning_rl.models.reward_model import RewardModelScorer
+from lightning_rl.step.collectives import Collectives
+from lightning_rl.step.correction import RolloutCorrection
+from lightning_rl.step.engine import RolloutEngine
+from lightning_rl.step.estimators import AdvantageEstimator, GroupNormalized, KLInReward
+from lightning_rl.step.filters import DynamicSampling, RolloutFilter
+from lightning_rl.step.logprobs import BehaviourSource, LogProbPasses, resolve_behaviour, score_values
+from lightning_rl.step.rewards import FullScore, RewardPipeline, RewardScorer, import_reward, overlong_shaping
+from lightning_rl.step.rollout import Rollout, exclude_nonfinite, merge_stats
+from lightning_rl.step.update import TrainedModel, Updater
+from lightning_rl.text.prompts import batch_columns, render_prompts
 
 
 class OnlineRL(ManualSteps, PolicyModule):
@@ -43,7 +51,7 @@ class OnlineRL(ManualSteps, PolicyModule):
     Args:
         num_generations: samples per prompt (G), at least the estimator's ``min_group_size``.
         temperature, top_p, top_k: sampling; log-probs are scored at ``temperature``, unfiltered.
-        engine: the rollout engine (``class_path``); default ``lightning_rl.engine.HFEngine``.
+        engine: the rollout engine (``class_path``); default ``lightning_rl.step.engine.HFEngine``.
         reward_fns, reward_weights: reward functions by import path and their weights (default
             ``exact_match``, or none with a ``reward_model``).
         reward_model, reward_model_weight: a one-label sequence-classification folder whose weighted score
@@ -61,36 +69,41 @@ class OnlineRL(ManualSteps, PolicyModule):
             ``max_new_tokens``, at least 1. Logged as ``rollout/overlong_penalty_mean``.
         overlong_penalty_factor: weight of the overlong penalty added to the reward.
         mask_truncated: leave completions that hit ``max_new_tokens`` out of the loss.
-        dynamic_sampling, max_gen_batches: DAPO's filter (``lightning_rl.filters.DynamicSampling``).
+        dynamic_sampling, max_gen_batches: DAPO's filter (``lightning_rl.step.filters.DynamicSampling``).
         filters: more rollout filters (``class_path``), applied after dynamic sampling.
-        advantage: the estimator (``class_path``, ``lightning_rl.estimators``); default group z-score.
-        behaviour_logp: ``auto``, ``recompute``, ``from_engine`` or ``on_policy`` (``lightning_rl.logprobs``).
+        advantage: the estimator (``class_path``, ``lightning_rl.step.estimators``); default group z-score.
+        behaviour_logp: ``auto``, ``recompute``, ``from_engine`` or ``on_policy``
+            (``lightning_rl.step.logprobs``).
         rollout_correction: importance weights for an engine that is not the trained module
-            (``lightning_rl.correction.RolloutCorrection``; default token-level, truncated at 2.0).
-        ppo_epochs, num_minibatches, micro_batch_size, max_grad_norm: the updater (``lightning_rl.update``).
+            (``lightning_rl.step.correction.RolloutCorrection``; default token-level, truncated at 2.0).
+        ppo_epochs, num_minibatches, micro_batch_size, max_grad_norm: the updater
+            (``lightning_rl.step.update``).
         ratio_level, trust_region, clip_low, clip_high, clip_ratio_c, tau_pos, tau_neg, aggregation,
-            kl_coef, kl_estimator: the objective axes, see :class:`lightning_rl.objective.Objective`.
+            kl_coef, kl_estimator: the objective axes, see :class:`lightning_rl.maths.objective.Objective`.
         kl_clamp: the per-token KL term in the loss is clamped to ``[-kl_clamp, kl_clamp]`` (``null``, the
             default: off; verl clamps its low-variance KL at 10); ``policy/kl_clamp_frac`` says how often it
             bites, ``policy/kl_ref_max`` the largest per-token KL (logged whenever a reference is scored).
         kl_in_reward, kl_target, kl_horizon: the KL to the reference as a per-token reward penalty
             (``kl_coef``, ``kl_estimator``) instead of the loss term, optionally adaptive
-            (``lightning_rl.estimators.KLInReward``).
+            (``lightning_rl.step.estimators.KLInReward``).
         entropy_coef: weight of an entropy bonus aggregated like the loss (0: off; always logged).
         share_prompt_prefix: run each distinct prompt once in sampling and scoring (same numbers; off
             under FSDP2 / ZeRO-3, and for scoring under gradient checkpointing).
         rollout_seed: sampling is seeded by (this, step, round, rank): a resumed run samples the same.
-        environment: multi-turn episodes (``lightning_rl.environments.Environment`` as ``class_path``): the
+        environment: multi-turn episodes (``lightning_rl.episodes.environments.Environment`` as
+            ``class_path``): the
             environment answers each model turn without a tool call; its step and final rewards are added to
             the reward functions' (``reward_fns: []`` for the environment's alone).
-        tools: callables the model may call (``package.module:function``; ``lightning_rl.tools``), their
+        tools: callables the model may call (``package.module:function``; ``lightning_rl.episodes.tools``),
+            their
             schemas rendered by the chat template where it supports tools; with tools or an environment
-            every rollout, validation and prediction is an episode (``lightning_rl.environments``).
+            every rollout, validation and prediction is an episode (``lightning_rl.episodes.environments``).
         max_turns: model turns per episode; ``max_new_tokens`` is then the budget of one turn.
         max_episode_tokens: tokens after the prompt (model and observation tokens) per episode; an episode
             that would pass it ends ``truncated``. ``None``: ``max_turns * max_new_tokens``.
         tool_format: ``auto`` (Hermes ``<tool_call>`` JSON through a chat template that supports tools, else
-            the plain ``<tool>name(args)</tool>`` format), ``hermes`` or ``plain`` (``lightning_rl.tools``).
+            the plain ``<tool>name(args)</tool>`` format), ``hermes`` or ``plain``
+            (``lightning_rl.episodes.tools``).
         tool_timeout: seconds a tool call may take; a slower call answers an error observation.
         on_env_error: ``raise`` stops on an environment exception, naming it and the episode; ``zero`` ends
             the episode with return 0 and counts it in ``rollout/env_errors``.
@@ -186,7 +199,7 @@ class OnlineRL(ManualSteps, PolicyModule):
     ) -> None:
         """``rewards`` (the reward functions' scorer; ``None`` for a reward model's or an environment's
         rewards alone) and ``correctness_fn``; an unset ``accuracy_fn`` follows the main reward function."""
-        default = None if reward_model else ["lightning_rl.rewards:exact_match"]
+        default = None if reward_model else ["lightning_rl.step.rewards:exact_match"]
         functions = reward_fns if reward_fns is not None else default
         if functions == [] and self.episodes is not None and environment is not None:
             functions = None  # the environment's rewards alone

@@ -2,7 +2,7 @@
 
 The step is :class:`~lightning_rl.algorithms.online.OnlineRL`'s; PPO adds a second trained model. Values
 come from the critic, the KL to the reference is a per-token penalty in the reward by default
-(``KLInReward``, fixed or adaptive), advantages are GAE's (``lightning_rl.estimators.GAE``, whitened over
+(``KLInReward``, fixed or adaptive), advantages are GAE's (``lightning_rl.step.estimators.GAE``, whitened over
 all ranks), and the updater steps the policy (PPO-Clip, optional entropy bonus) and the critic (clipped
 value loss) with their own optimisers, learning rates and schedulers. One trainer step is one update;
 during ``critic_warmup`` only the critic learns.
@@ -17,13 +17,13 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from lightning_rl.algorithms.online import OnlineRL
-from lightning_rl.critic import load_critic
-from lightning_rl.estimators import GAE, AdvantageEstimator
-from lightning_rl.losses import Aggregation, KLEstimator, value_loss
-from lightning_rl.rollout import Rollout
-from lightning_rl.scoring import enable_gradient_checkpointing
-from lightning_rl.sharding import zero_loss
-from lightning_rl.update import TrainedModel
+from lightning_rl.maths.losses import Aggregation, KLEstimator, value_loss
+from lightning_rl.models.critic import load_critic
+from lightning_rl.models.scoring import enable_gradient_checkpointing
+from lightning_rl.models.sharding import zero_loss
+from lightning_rl.step.estimators import GAE, AdvantageEstimator
+from lightning_rl.step.rollout import Rollout
+from lightning_rl.step.update import TrainedModel
 
 
 class PPO(OnlineRL):

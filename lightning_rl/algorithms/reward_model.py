@@ -1,10 +1,10 @@
 """Reward-model training: a one-label sequence classifier fitted to preference pairs (Bradley-Terry).
 
 Each step scores the chosen and the rejected texts of a batch of pairs in one forward pass (the two
-halves concatenated on the batch dimension; see :mod:`lightning_rl.reward_model` for what is scored and
-which token is read) and minimises :func:`~lightning_rl.losses.reward_model_loss`. At the end of ``fit``
+halves concatenated on the batch dimension; see :mod:`lightning_rl.models.reward_model` for what is scored and
+which token is read) and minimises :func:`~lightning_rl.maths.losses.reward_model_loss`. At the end of ``fit``
 the model and its tokenizer are written to ``<log_dir>/reward_model``, a folder that plain
-``AutoModelForSequenceClassification`` and :class:`~lightning_rl.reward_model.RewardModelScorer` load.
+``AutoModelForSequenceClassification`` and :class:`~lightning_rl.models.reward_model.RewardModelScorer` load.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from lightning_rl.algorithms.base import PolicyModule, has_callback, real_rows
-from lightning_rl.losses import reward_model_loss
-from lightning_rl.reward_model import load_reward_network, pair_texts
-from lightning_rl.scoring import disable_dropout as zero_dropout
-from lightning_rl.scoring import enable_gradient_checkpointing
+from lightning_rl.maths.losses import reward_model_loss
+from lightning_rl.models.reward_model import load_reward_network, pair_texts
+from lightning_rl.models.scoring import disable_dropout as zero_dropout
+from lightning_rl.models.scoring import enable_gradient_checkpointing
 
 
 class ExportRewardModel(L.Callback):
@@ -56,7 +56,8 @@ class RewardModel(PolicyModule):
     It subclasses ``PolicyModule`` for what that shares (optimiser and scheduler, exact validation means,
     RNG states in checkpoints, callbacks, FSDP2 ``configure_model``; the CLI also only accepts its
     subclasses) but not its ``__init__``, which would load a causal LM: ``self.policy`` here is the
-    :class:`~lightning_rl.reward_model.RewardNetwork` being trained, and there is no generation. Tested on
+    :class:`~lightning_rl.models.reward_model.RewardNetwork` being trained, and there is no generation.
+    Tested on
     one process; the multi-process (DDP / FSDP2) paths are PolicyModule's, not yet run for this module.
 
     Args:

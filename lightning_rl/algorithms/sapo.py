@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_rl.algorithms.online import OnlineRL
-from lightning_rl.losses import Aggregation, TrustRegion
+from lightning_rl.maths.losses import Aggregation, TrustRegion
 
 
 class SAPO(OnlineRL):

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from lightning_rl.algorithms.base import PolicyModule
-from lightning_rl.losses import aggregate
-from lightning_rl.pairs import pad_rows
+from lightning_rl.maths.losses import aggregate
+from lightning_rl.text.pairs import pad_rows
 
 
 class SFT(PolicyModule):

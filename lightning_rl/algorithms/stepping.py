@@ -1,8 +1,8 @@
 """Lightning glue of the online step: manual optimisation of one or two trained models (the policy and,
 for PPO, a critic), their setup, sharding, clipping, checkpointed state and callbacks.
 
-The updater (``lightning_rl.update``) decides what to accumulate and when to step; this mixin supplies
-the strategy-specific parts as :class:`~lightning_rl.update.UpdateHooks`: the gradient-sync context of a
+The updater (``lightning_rl.step.update``) decides what to accumulate and when to step; this mixin supplies
+the strategy-specific parts as :class:`~lightning_rl.step.update.UpdateHooks`: the gradient-sync context of a
 micro-batch (DDP ``no_sync``, FSDP2 ``set_requires_gradient_sync``, DeepSpeed's accumulation boundary),
 the optimiser step (clipping in ``on_before_optimizer_step``, after the precision plugin unscaled) and the
 LR schedulers. One trainer step is one policy update: a second optimiser steps through the strategy.
@@ -16,10 +16,8 @@ from typing import Any
 
 import torch
 
-from lightning_rl.adapters import trainable_parameters
-from lightning_rl.metrics import StepMetrics
-from lightning_rl.rollout import Rollout, rollout_stats
-from lightning_rl.sharding import (
+from lightning_rl.models.adapters import trainable_parameters
+from lightning_rl.models.sharding import (
     deepspeed_engine,
     full_value,
     is_sharded,
@@ -29,7 +27,9 @@ from lightning_rl.sharding import (
     start_deepspeed_micro_batch,
     strategy_is,
 )
-from lightning_rl.update import TrainedModel, UpdateHooks
+from lightning_rl.step.metrics import StepMetrics
+from lightning_rl.step.rollout import Rollout, rollout_stats
+from lightning_rl.step.update import TrainedModel, UpdateHooks
 
 
 class ManualSteps:

@@ -1,0 +1,397 @@
+"""Config errors in one line: what is wrong, where (``--config`` file and line, or command-line flag), and
+the closest valid key, value or class.
+
+jsonargparse answers a wrong key, type, choice or ``class_path`` with the whole usage and a nested report
+whose last lines are ``Given value: ...``; the sentence that matters sits in the middle. Here
+:func:`parse_message` reads that report (the text jsonargparse puts in ``parser.error(message)``) into a
+:class:`Problem`, :mod:`lightning_rl.cli.config_lookup` finds which ``--config`` file (and line) or flag gave
+the key and what is closest to it, and :func:`summarize` writes the line. :class:`SummarizingParser` is
+the LightningCLI parser class that prints it as the last line of stderr and exits with status 2
+(argparse's convention for usage errors); ``LRL_DEBUG=1`` prints jsonargparse's full report above it.
+After parsing, :func:`check_class_paths` refuses a ``class_path`` that names a function (jsonargparse
+would call ``os.system`` given as an optimizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import inspect
+import os
+import re
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from lightning.pytorch.cli import LightningArgumentParser
+
+from lightning_rl.cli.config_lookup import (
+    class_arguments,
+    close,
+    import_path,
+    locate,
+    not_mapping_summary,
+    suggest_class,
+    suggest_key,
+    yaml_summary,
+)
+
+DEBUG_ENV = "LRL_DEBUG"
+PREFIX = "lightning-rl: error: "
+TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+              "NoneType": "null", "dict": "a mapping", "list": "a list"}
+NOISE = re.compile(r"(Does not validate against any of the Union subtypes|Subtypes: |Errors:"
+                   r"|Given value type: |Expected a <class 'NoneType'>$"
+                   r"|Expected a path but .* either not accessible or invalid$"
+                   r"|Subclass types expect one of:|a class path \(str\)$|a dict with|a dict without"
+                   r"|Not a valid subclass of )")
+IMPORT_PROBLEM = re.compile(r"(module '.*' has no attribute|No module named|Import path"
+                            r"|does not correspond to a subclass|Expected '.*' to be a"
+                            r"|Unexpected import object|Expected a dot import path)")
+NAMED_PATH = re.compile(r"(?:Import path (?!does )|Expected a dot import path string: |Expected ')([\w.:]+)")
+
+
+@dataclass
+class Problem:
+    """What a jsonargparse error message says, as fields.
+
+    ``kind``: ``unknown_key``, ``type`` (a wrong type, or a value outside a ``Literal``), ``class_path``,
+    ``unrecognized``, ``subcommand``, ``required``, ``yaml``, ``not_mapping`` or ``other``. ``key``: the full
+    dotted key (``model.init_args.num_generations``); ``value``: the value given; ``cls``: the class whose
+    argument ``key`` is; ``base``: the class a ``class_path`` must subclass; ``expected``: the accepted
+    types, as words; ``choices``: the values of a ``Literal`` (or the missing keys, or the subcommands).
+    """
+
+    kind: str
+    key: str = ""
+    value: str | None = None
+    detail: str = ""
+    cls: str | None = None
+    base: str | None = None
+    expected: list[str] = field(default_factory=list)
+    choices: list[Any] = field(default_factory=list)
+
+
+def _item(line: str) -> str:
+    text = line.strip()
+    return text[2:].strip() if text.startswith("- ") else text
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" -"))
+
+
+def _expected(text: str) -> tuple[list[str], list[Any]]:
+    """Types (as words) and Literal choices of one ``Expected a ...`` item."""
+    literal = re.match(r"typing\.Literal\[(.*)\]$", text)
+    if literal:
+        try:
+            return [], list(ast.literal_eval(f"({literal[1]},)"))
+        except (ValueError, SyntaxError):
+            return [text], []
+    cls = re.match(r"<class '([\w.]+)'>$", text)
+    name = cls[1].rsplit(".", 1)[-1] if cls else text
+    return [TYPE_WORDS.get(name, name)], []
+
+
+def parse_message(message: str) -> Problem:
+    """Read a jsonargparse error message (the text of ``parser.error(message)``) into a :class:`Problem`."""
+    first = message.strip()
+    if m := re.match(r"unrecognized arguments: (.*)", first, re.S):
+        return Problem("unrecognized", value=m[1].strip())
+    if m := re.match(r"Subcommand '(\w+)' does not accept option '([^']+)'", first):
+        return Problem("unknown_key", key=m[2])
+    if m := re.match(r"argument subcommand: invalid choice: '([^']*)' \(choose from (.*)\)", first):
+        return Problem("subcommand", value=m[1], choices=re.findall(r"'([^']*)'", m[2]))
+    if m := re.match(r'expected "subcommand" to be one of \{(.*)\}', first):
+        return Problem("subcommand", choices=m[1].split(","))
+    if first.startswith("Problems parsing config:") or "<unicode string>" in first:
+        return Problem("yaml", detail=first.removeprefix("Problems parsing config:").strip())
+    if first.startswith("Unexpected config:"):
+        return Problem("not_mapping", detail=first.splitlines()[0])
+    if m := re.match(r"the following arguments are required: (.*)", first):
+        return Problem("required", choices=[k.strip().split(".", 1)[-1] for k in m[1].split(",")])
+    lines = message.splitlines()
+    path: list[str] = []
+    cls = base = None  # the class whose arguments follow; the class a class_path must subclass
+    in_class = False
+    for i, raw in enumerate(lines):
+        text = _item(raw)
+        if m := re.match(r"Subtypes: \[[^\]]*?([\w.]+\.[A-Z]\w*)", text):
+            base = m[1]
+        if not text or NOISE.match(text) or text.startswith("Given value:"):
+            continue
+        while True:  # the structure a line opens: a key, a class's arguments, a callable class's arguments
+            if m := re.match(r'Parser key "([^"]+)":\s*(.*)$', text):
+                path += (["init_args"] if in_class else []) + m[1].split(".")
+                in_class, text = False, m[2]
+            elif m := re.match(r"Problem with given class_path '([^']+)':\s*(.*)$", text):
+                cls, in_class, text = m[1], True, m[2]
+            elif m := re.match(r"Type (.*) expects a function or a callable class:\s*(.*)$", text):
+                got = re.search(r"Got value: Namespace\(class_path='([^']+)'", "\n".join(lines[i:]))
+                returns = re.search(r"([\w.]+)\]$", m[1])
+                cls, in_class, text = (got[1] if got else None), True, m[2]
+                base = returns[1] if returns else base
+            else:
+                break
+        if text and not NOISE.match(text):
+            return _leaf(text, lines, i, path, cls if in_class else None, base)
+    return Problem("other", key=".".join(path), detail=first.splitlines()[0])
+
+
+def _given_value(lines: Sequence[str], start: int) -> str | None:
+    for raw in lines[start:]:
+        if (text := _item(raw)).startswith("Given value: "):
+            return text.removeprefix("Given value: ").split(". Got value: ")[0]
+    return None
+
+
+def _leaf(
+    text: str, lines: Sequence[str], i: int, path: list[str], cls: str | None, base: str | None
+) -> Problem:
+    """The problem named by a message's first non-structural line (``lines[i]``, from ``text``) under the key
+    ``path``; ``cls`` is the class whose arguments the line is about (None outside one)."""
+    text, _, got = text.partition(". Got value: ")
+    text = text.rstrip(".")
+    if m := re.match(r"Option '([^']+)' is not accepted", text):
+        return Problem("unknown_key", key=".".join(path + (["init_args"] if cls else []) + [m[1]]), cls=cls)
+    if text.startswith("Expected a ") and not IMPORT_PROBLEM.match(text):
+        items = [text]  # a union's items: every "- Expected a ..." beside the first
+        for raw in lines[i + 1:]:
+            if _indent(raw) < _indent(lines[i]) or not _item(raw).startswith("Expected a "):
+                break
+            items.append(_item(raw))
+        expected, choices = [], []
+        for item in items:
+            if not IMPORT_PROBLEM.match(item):
+                words, values = _expected(item.removeprefix("Expected a ").split(". Got value: ")[0])
+                expected += words
+                choices += values
+        if [w for w in expected if w != "null"] or choices:
+            value = got if got and len(items) == 1 else _given_value(lines, i)
+            return Problem("type", key=".".join(path), value=value, expected=expected, choices=choices)
+        text = next(item for item in items if IMPORT_PROBLEM.match(item))
+    if IMPORT_PROBLEM.match(text):
+        value = cls
+        named = NAMED_PATH.match(text)
+        value = named[1] if named else value
+        if subclass := re.search(r"subclass of <?(?:class ')?([\w.]+)", text):
+            base = base if base and base.rsplit(".", 1)[-1] == subclass[1] else subclass[1]
+        value = value or _given_value(lines, i)
+        return Problem("class_path", key=".".join(path + ["class_path"]), value=value, detail=text, base=base)
+    return Problem("other", key=".".join(path), detail=text, cls=cls)
+
+
+# ----- the line
+
+
+def _quote(value: Any, limit: int = 80) -> str:
+    text = str(value)
+    return f"'{text[:limit]}...'" if len(text) > limit else f"'{text}'"
+
+
+def _or(words: Sequence[str]) -> str:
+    words = list(dict.fromkeys(words))
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def _grouped(paths: Sequence[str]) -> str:
+    """``a.b.C``, ``a.b.D`` -> ``a.b.{C, D}``."""
+    groups: dict[str, list[str]] = {}
+    for path in paths:
+        module, _, name = path.rpartition(".")
+        groups.setdefault(module, []).append(name)
+    return ", ".join(f"{m}.{{{', '.join(n)}}}" if len(n) > 1 else f"{m}.{n[0]}" for m, n in groups.items())
+
+
+def summarize(message: str, args: Sequence[str], known: Iterable[str] = ()) -> str:
+    """One line (``lightning-rl: error: ...``) for a jsonargparse error ``message`` of a command line
+    ``args``; ``known`` are the parser's keys and flags, for suggestions."""
+    known = list(known)
+    p = parse_message(message)
+    where = locate(p.key, args, p.value)
+    at = f" ({where})" if where else ""
+    if p.kind == "unknown_key":
+        return PREFIX + _unknown_key(p, at, known)
+    if p.kind == "type":
+        return PREFIX + _wrong_type(p, at)
+    if p.kind == "class_path":
+        return PREFIX + _wrong_class(p, at)
+    if p.kind == "unrecognized":
+        flags = [a for a in str(p.value).split() if a.startswith("-")]
+        if not flags:
+            return PREFIX + f"unexpected argument {_quote(p.value)} on the command line"
+        hint = close(flags[0].split("=")[0], [k for k in known if k.startswith("--")])
+        return PREFIX + (f"unknown option {flags[0]} (on the command line)"
+                         + (f"; did you mean {hint}?" if hint else "; `--help` lists every option"))
+    if p.kind == "subcommand":
+        hint = close(p.value or "", p.choices)
+        given = f"unknown subcommand {_quote(p.value)}" if p.value else "no subcommand given"
+        given += f"; did you mean `{hint}`?" if hint else ""
+        return PREFIX + given + f" (one of: {', '.join(p.choices)})"
+    if p.kind == "yaml":
+        return PREFIX + yaml_summary(p.detail, args)
+    if p.kind == "required":
+        keys = ", ".join(f"`{k}`" for k in p.choices)
+        flags = "/".join(f"--{k}" for k in p.choices)
+        return PREFIX + f"missing {keys}: set it in a --config file (configs/grpo.yaml...) or with {flags}"
+    if p.kind == "not_mapping":
+        return PREFIX + not_mapping_summary(p.detail, args)
+    if p.key == "config":
+        return PREFIX + f"--config: {p.detail}"
+    if p.cls and import_path(p.cls) is not None and not inspect.isclass(import_path(p.cls)):
+        key = f"{p.key}.class_path"
+        where = locate(key, args, p.cls)
+        return PREFIX + function_refusal(key, p.cls, where)
+    return PREFIX + (f"`{p.key}`{at}: " if p.key else "") + p.detail
+
+
+def _unknown_key(p: Problem, at: str, known: Sequence[str]) -> str:
+    """An unknown key, with the closest argument of its class (or key of the parser)."""
+    name = p.key.rsplit(".", 1)[-1]
+    if p.cls:
+        hint = close(name, class_arguments(p.cls))
+        body = f"unknown key `{p.key}`{at}: {p.cls} has no argument `{name}`"
+    else:
+        hint = suggest_key(p.key, [k for k in known if not k.startswith("-")])
+        body = f"unknown key `{p.key}`{at}"
+    return body + (f"; did you mean `{hint}`?" if hint else "")
+
+
+def _wrong_type(p: Problem, at: str) -> str:
+    """A value of the wrong type, or outside a ``Literal``: what is accepted, and the closest choice."""
+    body = f"`{p.key}` = {_quote(p.value)}{at}: expected "
+    if not p.choices:
+        return body + _or(p.expected)
+    choices = list({str(c): c for c in p.choices}.values())
+    body += ("one of " if len(choices) > 1 else "") + ", ".join(repr(c) for c in choices)
+    body += f" or {_or(p.expected)}" if p.expected else ""
+    hint = close(str(p.value), [str(c) for c in choices])
+    return body + (f"; did you mean {hint!r}?" if hint else "")
+
+
+def _wrong_class(p: Problem, at: str) -> str:
+    """A ``class_path`` that names no class, or one that is not a subclass of what the key takes: why, and
+    the closest class (else the candidates, ours first)."""
+    hint, candidates = suggest_class(p.value, p.base)
+    base = (p.base or "").rsplit(".", 1)[-1]
+    if "subclass" in p.detail or "does not correspond" in p.detail:
+        what = f"not a subclass of {base}" if base else p.detail
+    elif p.detail.startswith("Expected a dot import path"):
+        what = "no such class"
+    elif str(p.value).endswith((".yaml", ".yml", ".json")):
+        what = f"no such file (nor class: {p.detail})"
+    elif import_path(p.value) is None:
+        what = f"no such class ({p.detail})"
+    else:
+        what = p.detail
+    body = f"`{p.key}` = {_quote(p.value)}{at}: {what}"
+    if hint:
+        return body + f"; did you mean `{hint}`?"
+    ours = [c for c in candidates if c.startswith("lightning_rl.")] or candidates
+    return body + (f"; expected one of {_grouped(ours[:16])}" if ours else "")
+
+
+def interpolation_summary(err: Exception, args: Sequence[str]) -> str:
+    """An omegaconf interpolation error (``${...}`` in a ``--config`` file): its key, file and line."""
+    key = str(getattr(err, "full_key", "") or "")
+    reason = str(getattr(err, "msg", None) or err).splitlines()[0]
+    where = locate(key, [a for a in args])
+    return PREFIX + f"`{key}`{f' ({where})' if where else ''}: bad ${{...}} interpolation: {reason}"
+
+
+def function_refusal(key: str, path: str, where: str) -> str:
+    """The line refusing a ``class_path`` that names a function."""
+    return (f"`{key}` = '{path}'{f' ({where})' if where else ''}: {path} is a function, not a class; "
+            "a class_path names a class (an optimiser such as torch.optim.AdamW, a callback, a DataModule)")
+
+
+def function_class_paths(config: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """``(key, path)`` of every ``class_path`` in a parsed config that names something other than a class
+    (``os.system``): jsonargparse accepts a function there for callable arguments such as ``optimizer`` and
+    calls it with ``init_args`` when the classes are instantiated."""
+    if isinstance(config, argparse.Namespace):
+        items: Iterable[tuple[Any, Any]] = vars(config).items()
+    elif isinstance(config, dict):
+        items = config.items()
+    elif isinstance(config, list):
+        items = enumerate(config)
+    else:
+        return []
+    out: list[tuple[str, str]] = []
+    for name, value in items:
+        key = f"{prefix}{name}"
+        if name == "class_path" and isinstance(value, str):
+            obj = import_path(value)
+            if obj is not None and not inspect.isclass(obj):
+                out.append((key, value))
+        else:
+            out += function_class_paths(value, f"{key}.")
+    return out
+
+
+# ----- the parser
+
+
+def _root_args(parser: Any) -> list[str]:
+    root = parser
+    while getattr(root, "parent_parser", None) is not None:
+        root = root.parent_parser
+    args = getattr(root, "args", None) or getattr(parser, "args", None)
+    return [str(a) for a in (args if args is not None else sys.argv[1:])]
+
+
+def fail(parser: Any, line: str, message: str | None = None) -> NoReturn:
+    """Print ``line`` as the last line of stderr and exit with status 2; with ``LRL_DEBUG=1`` the parser's
+    usage and jsonargparse's full ``message`` come first, else a tip on where to find them."""
+    prog = str(getattr(parser, "prog", "lightning-rl")).replace(" [options]", "")
+    if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        parser.print_usage(sys.stderr)
+        if message:
+            sys.stderr.write(f"error: {message}\n")
+    else:
+        sys.stderr.write(f"tip: `{prog} --help` lists every option; "
+                         f"{DEBUG_ENV}=1 prints the parser's full report\n")
+    sys.stderr.write(line.replace("\n", " ") + "\n")
+    sys.exit(2)
+
+
+class SummarizingParser(LightningArgumentParser):
+    """LightningCLI's parser whose usage errors end in one line saying what is wrong and where (see
+    :func:`summarize`). Inner parsers (``exit_on_error=False``) and ``JSONARGPARSE_DEBUG`` raise as before."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        from jsonargparse._common import debug_mode_active
+
+        if not self.exit_on_error or debug_mode_active():
+            super().error(message, ex)
+        self._logger.error(message)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        known = [a.dest for a in parser._actions] + list(parser._option_string_actions)
+        try:
+            line = summarize(message, _root_args(self), known)
+        except Exception:  # noqa: BLE001 - never hide the parser's own message behind a bug here
+            line = PREFIX + " ".join(message.split())[:500]
+        fail(parser, line, message)
+
+
+@contextlib.contextmanager
+def summarized(parser: Any) -> Iterator[None]:
+    """Around ``parser.parse_args``: an omegaconf ``${...}`` interpolation error (raised, not reported through
+    ``parser.error``) ends in one line too, naming its key and ``--config`` file."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        yield
+    except OmegaConfBaseException as err:
+        fail(parser, interpolation_summary(err, _root_args(parser)), str(err))
+
+
+def check_class_paths(parser: Any, config: Any) -> None:
+    """Refuse a parsed config whose ``class_path`` names a function (see :func:`function_class_paths`)."""
+    for key, path in function_class_paths(config):
+        if config.get("subcommand") and key.startswith(f"{config.subcommand}."):
+            key = key.split(".", 1)[1]
+        fail(parser, PREFIX + function_refusal(key, path, locate(key, _root_args(parser), path)))

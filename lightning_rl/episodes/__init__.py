@@ -1,0 +1,1 @@
+"""Multi-turn episodes: environments, tools as plain callables, their schemas, and the calculator tool."""

@@ -1,0 +1,376 @@
+"""Advantages, KL estimators and reward shaping for RL post-training (pure PyTorch).
+
+Everything here turns rewards and log-probs into the per-sample or per-token numbers the policy
+losses of :mod:`lightning_rl.maths.losses` consume (advantages, KL estimators, reward shaping, and importance
+weights correcting for the rollout engine's log-probs differing from the trainer's); ``losses``
+re-exports every public name, so ``from lightning_rl.maths.losses import group_advantages`` keeps working.
+
+Shapes: ``[N]`` per sample (consecutive groups of ``group_size`` share a prompt), ``[B, T]`` per token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Literal, get_args
+
+import torch
+
+from lightning_rl.maths.checks import check_choice, check_shapes
+
+Tensor = torch.Tensor
+KLEstimator = Literal["k1", "k2", "k3"]
+KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
+RolloutISLevel = Literal["token", "sequence"]
+ROLLOUT_IS_LEVELS: tuple[str, ...] = get_args(RolloutISLevel)
+RolloutISMode = Literal["truncate", "mask"]
+ROLLOUT_IS_MODES: tuple[str, ...] = get_args(RolloutISMode)
+ROLLOUT_LOG_WEIGHT_MAX = 20.0  # exp(20) ~ 4.9e8: far above any sensible cap, far below float32's max
+
+# delta = ref_logp - logp, on tokens sampled from the policy whose log-prob is `logp`
+_KL_FROM_DELTA: dict[str, Callable[[Tensor], Tensor]] = {
+    "k1": lambda delta: -delta,
+    "k2": lambda delta: 0.5 * delta**2,
+    "k3": lambda delta: torch.exp(delta) - delta - 1.0,
+}
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi (Schulman's k1/k2/k3).
+
+    With ``d = ref_logp - logp``: ``k1 = -d``, ``k2 = d^2 / 2``, ``k3 = exp(d) - d - 1`` (unbiased, >= 0).
+    The same k3 with ``d = -log r`` is the ``approx_kl`` of an importance ratio ``r``.
+
+    Args:
+        logp, ref_logp: ``[B, T]`` log-probs under pi / pi_ref. estimator: one of :data:`KL_ESTIMATORS`.
+
+    Returns:
+        ``[B, T]`` per-token estimates.
+    """
+    check_shapes("logp", logp, ref_logp=ref_logp)
+    check_choice("estimator", estimator, KL_ESTIMATORS)
+    return _KL_FROM_DELTA[estimator](ref_logp - logp)
+
+
+def _check_groups(n: int, group_size: int) -> None:
+    if group_size < 2 or n % group_size != 0:
+        raise ValueError(f"`group_size` must be >= 2 and divide the batch size {n}, got {group_size}")
+
+
+def _grouped(rewards: Tensor, group_size: int) -> Tensor:
+    """``[N / G, G]`` float view of 1-D rewards in consecutive groups (checked)."""
+    check_shapes("rewards", rewards, ndim=1)
+    _check_groups(rewards.shape[0], group_size)
+    grouped = rewards.reshape(-1, group_size)
+    return grouped if grouped.is_floating_point() else grouped.float()
+
+
+def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-8, scale: bool = True) -> Tensor:
+    """GRPO group-relative advantages: ``(r - mean_g) / (std_g + eps)`` per consecutive group of
+    ``group_size``.
+
+    ``std_g`` is Bessel-corrected (as ``torch.std``). ``scale=False`` gives ``r - mean_g`` (Dr. GRPO).
+    A group of equal rewards gets advantage 0.
+
+    Args:
+        rewards: ``[N]``, ``N`` a multiple of ``group_size``; groups are consecutive.
+
+    Returns:
+        ``[N]`` advantages (floating point).
+    """
+    grouped = _grouped(rewards, group_size)
+    centered = grouped - grouped.mean(-1, keepdim=True)
+    if scale:
+        centered = centered / (grouped.std(-1, keepdim=True) + eps)
+    return centered.reshape(-1)
+
+
+def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    """RLOO (leave-one-out) advantages: ``A_i = r_i - (sum_g - r_i) / (G - 1)`` per consecutive group.
+
+    Each sample's baseline is the mean of the other ``G - 1`` rewards of its group, so it is independent of
+    the sample itself; ``A_i = G / (G - 1) * (r_i - mean_g)``. A group of equal rewards gets 0.
+
+    Args:
+        rewards: ``[N]``, ``N`` a multiple of ``group_size`` (>= 2); groups are consecutive.
+
+    Returns:
+        ``[N]`` advantages (floating point).
+    """
+    grouped = _grouped(rewards, group_size)
+    others = grouped.sum(-1, keepdim=True) - grouped
+    return (grouped - others / (group_size - 1)).reshape(-1)
+
+
+@torch.no_grad()
+def gae_advantages(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over right-padded token sequences (no gradient).
+
+    ``delta_t = r_t + gamma V_{t+1} - V_t`` (``V`` after the last valid token is 0);
+    ``A_t = delta_t + gamma lam A_{t+1}``; ``returns = A + V``. Padding positions are 0 in both outputs.
+    ``t+1`` is the next *valid* token: positions outside ``mask`` inside a row (an episode's observation
+    tokens, which the model did not sample) are skipped, as if the valid tokens were contiguous.
+
+    Args:
+        rewards, values, mask: ``[B, T]`` (per-token rewards).
+        gamma, lam: in [0, 1].
+
+    Returns:
+        ``(advantages, returns)``, each ``[B, T]``.
+    """
+    check_shapes("rewards", rewards, ndim=2, values=values, mask=mask)
+    for name, value in (("gamma", gamma), ("lam", lam)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"`{name}` must be in [0, 1], got {value}")
+    m = mask.to(values.dtype)
+    values, rewards = values * m, rewards * m
+    advantages = torch.zeros_like(values)
+    next_value = next_adv = values.new_zeros(values.shape[0])
+    for t in reversed(range(values.shape[1])):
+        valid = m[:, t] > 0  # invalid tokens are skipped, not ends: an episode's observations are transparent
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_adv = torch.where(valid, delta + gamma * lam * next_adv, next_adv)
+        advantages[:, t] = next_adv * m[:, t]
+        next_value = torch.where(valid, values[:, t], next_value)
+    return advantages, (advantages + values) * m
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, cache_len: int) -> Tensor:
+    """DAPO soft overlong punishment per response length ``L`` (with ``e = max_len - cache_len``).
+
+    ``0`` if ``L <= e``; ``(e - L) / cache_len`` if ``e < L <= max_len``; ``-1`` if ``L > max_len``.
+
+    Args:
+        lengths: ``[N]`` response lengths. max_len: > 0. cache_len: in [0, max_len] (0: only 0 or -1).
+
+    Returns:
+        ``[N]`` float penalties in [-1, 0].
+    """
+    if max_len <= 0:
+        raise ValueError(f"`max_len` must be > 0, got {max_len}")
+    if not 0 <= cache_len <= max_len:
+        raise ValueError(f"`cache_len` must be in [0, max_len={max_len}], got {cache_len}")
+    lengths = torch.as_tensor(lengths)
+    lengths = lengths if lengths.is_floating_point() else lengths.to(torch.get_default_dtype())
+    expected = max_len - cache_len
+    ramp = (expected - lengths) / max(cache_len, 1)  # only used where cache_len > 0
+    penalty = torch.where(lengths > expected, ramp, torch.zeros_like(lengths))
+    return torch.where(lengths > max_len, -torch.ones_like(lengths), penalty)
+
+
+def dapo_group_keep(correct: Tensor, group_size: int) -> Tensor:
+    """DAPO dynamic sampling: keep groups that are neither all-correct nor all-wrong.
+
+    Args:
+        correct: ``[N]`` bool or 0/1, consecutive groups of ``group_size``.
+
+    Returns:
+        ``[N // group_size]`` bool, True where ``0 < #correct < group_size``.
+    """
+    check_shapes("correct", correct, ndim=1)
+    _check_groups(correct.shape[0], group_size)
+    n_correct = correct.bool().reshape(-1, group_size).sum(-1)
+    return (n_correct > 0) & (n_correct < group_size)
+
+
+# ---- PPO: per-token rewards, whitening, the adaptive KL controller, explained variance ----------------
+def token_rewards(scores: Tensor, mask: Tensor, kl: Tensor | None = None, kl_coef: float = 0.0) -> Tensor:
+    """Per-token rewards for GAE: ``-kl_coef * kl_t`` on every valid token, plus the sequence score on
+    the last valid token of its row (InstructGPT / verl's KL-in-reward form; with holes in ``mask``, the
+    last one inside it). Rows without a valid token get no reward.
+
+    Args:
+        scores: ``[B]`` sequence rewards. mask: ``[B, T]`` valid completion tokens (right-padded).
+        kl: ``[B, T]`` per-token KL to the reference (e.g. ``kl_penalty(..., "k1")``), or None.
+        kl_coef: its weight (>= 0).
+
+    Returns:
+        ``[B, T]`` float rewards, 0 on padding.
+    """
+    check_shapes("mask", mask, ndim=2, kl=kl)
+    if scores.shape != mask.shape[:1]:
+        raise ValueError(f"`scores` has shape {tuple(scores.shape)}, expected ({mask.shape[0]},)")
+    m = mask.to(torch.float32)
+    out = torch.zeros_like(m)
+    if kl is not None and kl_coef:
+        out = out - kl_coef * kl.float() * m
+    last = last_valid_index(mask)
+    rows = torch.nonzero(last >= 0).squeeze(1)
+    out[rows, last[rows]] += scores[rows].float()
+    return out
+
+
+def last_valid_index(mask: Tensor) -> Tensor:
+    """``[B]`` long: each row's last position inside ``mask`` (-1 for a row without one; holes allowed)."""
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return torch.where(mask.bool(), positions, torch.full_like(positions, -1)).amax(1)
+
+
+def masked_moments(x: Tensor, mask: Tensor) -> Tensor:
+    """``[sum, sum of squares, count]`` of ``x`` over ``mask`` (float64, to be summed over ranks)."""
+    check_shapes("x", x, mask=mask)
+    m = mask.bool()
+    v = x.detach().double()[m]
+    return torch.stack([v.sum(), (v * v).sum(), v.new_tensor(float(v.numel()))])
+
+
+def moments_mean_var(moments: Tensor) -> tuple[Tensor, Tensor]:
+    """Mean and unbiased variance from :func:`masked_moments` (summed over any number of ranks)."""
+    total, total_sq, count = moments.unbind()
+    mean = total / count.clamp_min(1)
+    var = (total_sq - count * mean * mean) / (count - 1).clamp_min(1)
+    return mean, var.clamp_min(0)
+
+
+def whiten(x: Tensor, mask: Tensor, moments: Tensor | None = None, eps: float = 1e-8) -> Tensor:
+    """``(x - mean) / sqrt(var + eps)`` on valid tokens, 0 on padding.
+
+    ``moments`` (from :func:`masked_moments`, summed over ranks) makes the statistics those of the whole
+    global batch; ``None`` uses ``x``'s own.
+    """
+    mean, var = moments_mean_var(masked_moments(x, mask) if moments is None else moments)
+    out = (x - mean.to(x.dtype)) * torch.rsqrt(var.to(x.dtype) + eps)
+    return torch.where(mask.bool(), out, torch.zeros_like(out))
+
+
+def reinforce_baseline_centered(rewards: Tensor, group_size: int, mask: Tensor) -> Tensor:
+    """REINFORCE++-baseline before whitening: ``x_it = r_i - mean_g`` on each valid token of row ``i``.
+
+    A distributed caller sums ``masked_moments(x, mask)`` over ranks and passes it to
+    :func:`reinforce_baseline_advantages` as ``moments``.
+
+    Args:
+        rewards: ``[B]`` sequence rewards in consecutive groups of ``group_size`` (>= 2, divides ``B``).
+        mask: ``[B, T]`` valid completion tokens (bool or 0/1).
+
+    Returns:
+        ``[B, T]`` float, 0 on invalid tokens.
+    """
+    check_shapes("mask", mask, ndim=2)
+    if rewards.shape != mask.shape[:1]:
+        raise ValueError(f"`rewards` has shape {tuple(rewards.shape)}, expected ({mask.shape[0]},)")
+    centered = group_advantages(rewards, group_size, scale=False)
+    return torch.where(mask.bool(), centered.unsqueeze(-1), 0.0)
+
+
+def reinforce_baseline_advantages(
+    rewards: Tensor, group_size: int, mask: Tensor, eps: float = 1e-8, *, moments: Tensor | None = None
+) -> Tensor:
+    """REINFORCE++-baseline advantages: ``(x - mean) / sqrt(var + eps)`` on valid tokens, 0 elsewhere.
+
+    ``x = r_i - mean_g`` broadcast over row ``i``'s valid tokens (:func:`reinforce_baseline_centered`);
+    ``mean`` and the Bessel-corrected ``var = (sum x^2 - n mean^2) / (n - 1)`` are over all ``n`` valid
+    tokens of the batch (so longer rows weigh more), as verl's ``masked_whiten``.
+
+    Args:
+        rewards: ``[B]``, consecutive groups of ``group_size``. mask: ``[B, T]``. eps: added to ``var``.
+        moments: ``[sum, sum of squares, count]`` of ``x`` over the global batch, i.e.
+            ``masked_moments(reinforce_baseline_centered(...), mask)`` summed over ranks; None uses this
+            batch's own.
+
+    Returns:
+        ``[B, T]`` float advantages.
+    """
+    return whiten(reinforce_baseline_centered(rewards, group_size, mask), mask, moments, eps)
+
+
+def explained_variance(residual_moments: Tensor, returns_moments: Tensor) -> Tensor:
+    """``1 - Var(returns - values) / Var(returns)`` from the moments of the residual and of the returns
+    (1: the critic predicts the returns; 0: no better than their mean; negative: worse)."""
+    _, var_res = moments_mean_var(residual_moments)
+    _, var_ret = moments_mean_var(returns_moments)
+    return 1.0 - var_res / var_ret.clamp_min(1e-12)
+
+
+def adaptive_kl_coef(coef: float, kl: float, target: float, n_steps: int, horizon: int) -> float:
+    """Ziegler et al. (2019)'s proportional controller, as in TRL / verl: the KL coefficient after a batch
+    of ``n_steps`` samples whose mean KL (summed over tokens) was ``kl``.
+
+    ``coef * (1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon)``.
+    """
+    if not target > 0 or not horizon > 0:
+        raise ValueError(f"`kl_target` and `kl_horizon` must be > 0, got {target} and {horizon}")
+    error = min(max(kl / target - 1.0, -0.2), 0.2)
+    return coef * (1.0 + error * n_steps / horizon)
+
+
+# ---- rollout-engine correction: the sampler's log-probs differ from the trainer's (kernels, precision) ---
+def _rollout_log_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, level: str) -> Tensor:
+    """``log w`` per token (float32 or wider, not clamped), 0 on invalid tokens."""
+    check_shapes("old_logp", old_logp, ndim=2, rollout_logp=rollout_logp, mask=mask)
+    check_choice("level", level, ROLLOUT_IS_LEVELS)
+    mask = mask.bool()
+    dtype = torch.promote_types(old_logp.dtype, torch.float32)
+    # zeroed before any sum or exp: garbage (inf/NaN) on invalid tokens cannot leak
+    diff = torch.where(mask, old_logp.detach().to(dtype) - rollout_logp.detach().to(dtype), 0.0)
+    if level == "sequence":
+        diff = torch.where(mask, diff.sum(-1, keepdim=True), 0.0)
+    return diff
+
+
+@torch.no_grad()
+def rollout_is_weights(
+    old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, level: str = "token", mode: str = "truncate",
+    cap: float = 2.0,
+) -> Tensor:
+    """Importance weights from the rollout engine's policy to the trainer's, detached (TIS / MIS).
+
+    Token level ``w_it = exp(old_logp_it - rollout_logp_it)``; sequence level
+    ``w_i = exp(sum_t m_it (old_logp_it - rollout_logp_it))`` on every valid token of row ``i``.
+    ``truncate``: ``min(w, cap)``; ``mask``: ``w`` where ``w <= cap``, else 0 (the token, or the whole
+    row at sequence level, is dropped). The exponent is clamped at 20 before ``exp`` (no overflow); the
+    result is exact for any ``cap < e^20``.
+
+    Args:
+        old_logp: ``[B, T]`` trainer log-probs of the sampled tokens (behaviour policy, recomputed).
+        rollout_logp: ``[B, T]`` the sampler's log-probs of the same tokens. mask: ``[B, T]``.
+        level: ``token`` or ``sequence``. mode: ``truncate`` or ``mask``. cap: >= 1 (on-policy w = 1 stays).
+
+    Returns:
+        ``[B, T]`` float32 (float64 if the inputs are), no gradient, 0 on invalid tokens.
+    """
+    check_choice("mode", mode, ROLLOUT_IS_MODES)
+    if not cap >= 1.0:
+        raise ValueError(f"`cap` must be >= 1, got {cap}")
+    log_weight = _rollout_log_weights(old_logp, rollout_logp, mask, level)
+    weight = torch.exp(log_weight.clamp(max=ROLLOUT_LOG_WEIGHT_MAX))
+    weight = weight.clamp(max=cap) if mode == "truncate" else torch.where(weight <= cap, weight, 0.0)
+    return torch.where(mask.bool(), weight, 0.0)
+
+
+@torch.no_grad()
+def rollout_mismatch_stats(
+    old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, weights: Tensor, cap: float, *, level: str = "token"
+) -> dict[str, Tensor]:
+    """How far the rollout engine's log-probs are from the trainer's, over valid tokens (detached scalars).
+
+    * ``rollout/logp_diff_mean``: mean ``|old_logp - rollout_logp|``.
+    * ``rollout/mismatch_k3``: mean k3 estimate of KL(engine || trainer) from the engine's samples,
+      ``exp(d) - d - 1`` with ``d = old_logp - rollout_logp`` (``kl_penalty(rollout_logp, old_logp)``),
+      i.e. ``(w - 1) - log w`` of the token weight; >= 0, 0 when the two agree (``d`` clamped at 20).
+    * ``rollout/is_weight_mean``: mean of ``weights`` (as applied, after truncation or masking).
+    * ``rollout/is_clipped_frac``: fraction of tokens whose raw weight at ``level`` exceeded ``cap``.
+
+    Args:
+        old_logp, rollout_logp, mask, weights: ``[B, T]``; ``weights`` from :func:`rollout_is_weights`.
+        cap: the cap the weights were computed with. level: theirs (``token`` or ``sequence``).
+    """
+    check_shapes("old_logp", old_logp, ndim=2, rollout_logp=rollout_logp, mask=mask, weights=weights)
+    if not cap >= 1.0:
+        raise ValueError(f"`cap` must be >= 1, got {cap}")
+    mask = mask.bool()
+    token = _rollout_log_weights(old_logp, rollout_logp, mask, "token")
+    raw = token if level == "token" else _rollout_log_weights(old_logp, rollout_logp, mask, level)
+    count, zero = mask.sum().clamp_min(1), torch.zeros_like(token)
+
+    def mean(x: Tensor) -> Tensor:
+        return torch.where(mask, x.to(token.dtype), 0.0).sum() / count
+
+    return {
+        "rollout/logp_diff_mean": mean(token.abs()),
+        "rollout/mismatch_k3": mean(kl_penalty(zero, token.clamp(max=ROLLOUT_LOG_WEIGHT_MAX), "k3")),
+        "rollout/is_weight_mean": mean(weights.detach()),
+        "rollout/is_clipped_frac": mean(raw > math.log(cap)),
+    }

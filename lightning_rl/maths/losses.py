@@ -1,0 +1,398 @@
+"""Policy-gradient and preference losses for RL post-training of causal LMs (pure PyTorch).
+
+Shapes: ``logp`` / ``old_logp`` / ``ref_logp`` are float ``[B, T]`` per-token log-probs of the sampled
+completion tokens under the current / behaviour / reference policy; ``mask`` is ``[B, T]`` (bool or 0/1);
+``advantages`` is ``[B]`` (broadcast over the row) or ``[B, T]``. Every ``*_loss`` returns
+``(loss, metrics)``: a differentiable scalar to minimise and a dict of detached scalar tensors.
+
+One implementation of every policy objective: :func:`policy_loss`, a point on four axes, each a
+registry: the ratio level (:data:`RATIO_LEVELS`, in :mod:`lightning_rl.maths.ratio_levels`), the trust region
+(:data:`TRUST_REGIONS`, in :mod:`lightning_rl.maths.trust_regions`), the aggregation (:data:`AGGREGATORS`) and
+a KL-to-reference term (:func:`~lightning_rl.maths.advantages.kl_penalty`). The contract losses
+(``ppo_policy_loss``, ``grpo_loss``, ``gspo_loss``, ``dapo_loss``, ``sapo_loss``) are thin presets of it, and
+training reaches it through :class:`lightning_rl.maths.objective.Objective`.
+
+To add a trust region: write a function in :mod:`lightning_rl.maths.trust_regions` that takes the common
+inputs as keywords, ``logp``, ``log_ratio``, ``adv``, ``mask`` (all ``[B, T]``; ``logp`` differentiable
+and 0 on invalid tokens, ``mask`` bool), plus its options, and returns a :class:`Surrogate`; register it
+in ``TRUST_REGIONS`` and name it in :data:`TrustRegion`. Its parameters other than the common inputs are
+its options (:func:`trust_region_options`): add them as fields of ``Objective`` / keys of ``OnlineRL``
+(the config), which refuses a non-default option the chosen region does not take. An aggregation: a
+function in ``AGGREGATORS`` and its name in :data:`Aggregation`.
+
+Metrics are means over what one ratio stands for (tokens, or GSPO's sequences); ``policy/approx_kl`` is
+k3 of the ratio, ``mean((r - 1) - log r)``: KL(pi_old || pi_theta), >= 0, lower variance than k1.
+``num_tokens`` / ``num_seqs`` are the whole minibatch's normalisers (micro-batching, see
+:mod:`lightning_rl.maths.aggregation`). Padded log-ratios and log-probs are zeroed before any trust region
+sees
+them, so garbage (even inf/NaN) there cannot reach the loss or its gradient.
+:mod:`lightning_rl.maths.advantages`
+(advantages, KL estimators, shaping, rollout-engine importance weights),
+:mod:`lightning_rl.maths.ratio_levels`,
+:mod:`lightning_rl.maths.trust_regions` and :mod:`lightning_rl.maths.preference_losses` (DPO) are re-exported
+here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from lightning_rl.maths.advantages import (
+    KL_ESTIMATORS,
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_IS_MODES,
+    KLEstimator,
+    RolloutISLevel,
+    RolloutISMode,
+    adaptive_kl_coef,
+    dapo_group_keep,
+    explained_variance,
+    gae_advantages,
+    group_advantages,
+    kl_penalty,
+    masked_moments,
+    moments_mean_var,
+    overlong_penalty,
+    reinforce_baseline_advantages,
+    reinforce_baseline_centered,
+    rloo_advantages,
+    rollout_is_weights,
+    rollout_mismatch_stats,
+    token_rewards,
+    whiten,
+)
+from lightning_rl.maths.aggregation import (
+    AGGREGATIONS,
+    AGGREGATORS,
+    Aggregation,
+    Count,
+    aggregate,
+    masked_mean,
+    normalizer_counts,
+)
+from lightning_rl.maths.checks import check_choice, check_range, check_shapes
+from lightning_rl.maths.preference_losses import DPO_LOSS_TYPES, DPOLossType, dpo_loss, reward_model_loss
+from lightning_rl.maths.ratio_levels import RATIO_LEVELS, RatioLevel, sequence_log_ratio, token_log_ratio
+from lightning_rl.maths.trust_regions import (
+    SAPO_LOG_RATIO_CLAMP,
+    TRUST_REGION_INPUTS,
+    TRUST_REGIONS,
+    Surrogate,
+    TrustRegion,
+    cispo_surrogate,
+    clipped_surrogate,
+    soft_gate_surrogate,
+    trust_region_options,
+)
+
+__all__ = [
+    "AGGREGATIONS", "AGGREGATORS", "DPO_LOSS_TYPES", "DPOLossType", "KL_ESTIMATORS", "RATIO_LEVELS",
+    "TRUST_REGIONS", "Aggregation", "KLEstimator", "RatioLevel", "Surrogate", "TrustRegion", "aggregate",
+    "broadcast_advantages", "clipped_surrogate", "dapo_group_keep", "dapo_loss", "dpo_loss",
+    "entropy_from_logits", "gae_advantages", "group_advantages", "grpo_loss", "gspo_loss", "kl_penalty",
+    "masked_mean", "normalizer_counts", "overlong_penalty", "policy_loss", "ppo_policy_loss",
+    "reward_model_loss", "sapo_loss", "sequence_log_ratio", "soft_gate_surrogate", "token_log_ratio",
+    "value_loss", "adaptive_kl_coef", "explained_variance", "masked_moments", "moments_mean_var",
+    "token_rewards", "whiten", "SAPO_LOG_RATIO_CLAMP", "TRUST_REGION_INPUTS", "cispo_surrogate",
+    "trust_region_options", "reinforce_baseline_advantages", "reinforce_baseline_centered", "rloo_advantages",
+    "rollout_is_weights", "rollout_mismatch_stats", "ROLLOUT_IS_LEVELS", "ROLLOUT_IS_MODES", "RolloutISLevel",
+    "RolloutISMode",
+]
+
+Tensor = torch.Tensor
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy (nats) of ``softmax(z)`` over the last axis: ``H = logsumexp(z) - sum_v softmax(z)_v z_v``.
+
+    Args:
+        logits: ``[..., V]``, finite (mask with a large negative number, not ``-inf``). Returns ``[...]``.
+    """
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+
+
+def broadcast_advantages(advantages: Tensor, logp: Tensor) -> Tensor:
+    """Advantages as ``[B, T]``: a ``[B]`` tensor is repeated over each row's tokens."""
+    if advantages.shape == logp.shape:
+        return advantages
+    if advantages.dim() == 1 and advantages.shape[0] == logp.shape[0]:
+        return advantages.unsqueeze(-1).expand_as(logp)
+    raise ValueError(
+        f"`advantages` must have shape (B,) or (B, T) = {tuple(logp.shape)}, got {tuple(advantages.shape)}"
+    )
+
+
+# ---------------------------------------------------------------------------------------- policy loss
+def _trust_region(
+    name: str, args: Mapping[str, Any] | None, logp: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor
+) -> Surrogate:
+    """Call trust region ``name`` by the protocol of :mod:`lightning_rl.maths.trust_regions` (common inputs as
+    keywords, then its options), refusing options it does not take."""
+    args = dict(args or {})
+    unknown = sorted(set(args) - set(trust_region_options(name)))
+    if unknown:
+        raise ValueError(f"`trust_region_args` {unknown} are not options of trust region {name!r}; "
+                         f"expected some of {trust_region_options(name)}")
+    return TRUST_REGIONS[name](logp=logp, log_ratio=log_ratio, adv=adv, mask=mask, **args)
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    ref_logp: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    ratio_level: str = "token",
+    trust_region: str = "clip",
+    trust_region_args: Mapping[str, Any] | None = None,
+    aggregation: str = "seq-mean-token-mean",
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    num_tokens: Count = None,
+    num_seqs: Count = None,
+    token_weights: Tensor | None = None,
+    kl_clamp: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Every policy objective: ``aggregate(surrogate(logp, log r, A, mask) + kl_coef * KL(pi || pi_ref))``.
+
+    Args:
+        logp, old_logp, mask: ``[B, T]``. advantages: ``[B]`` or ``[B, T]``.
+        ref_logp: ``[B, T]`` reference log-probs, or None (then ``kl_coef`` must be 0). Given with
+            ``kl_coef == 0``, the KL is only logged.
+        ratio_level: a key of :data:`RATIO_LEVELS` (``token``, or ``sequence``: GSPO's length-normalised
+            ratio, which takes each row's mean advantage).
+        trust_region: a key of :data:`TRUST_REGIONS`; ``trust_region_args`` its options (a subset of
+            :func:`trust_region_options`).
+        aggregation: one of :data:`AGGREGATIONS`. kl_coef: >= 0. kl_estimator: one of ``KL_ESTIMATORS``.
+        num_tokens, num_seqs: whole-minibatch normalisers (see :func:`aggregate`).
+        token_weights: ``[B, T]`` detached per-token weights of the surrogate (off-policy correction,
+            :func:`rollout_is_weights`), or None; the KL term is not weighted.
+        kl_clamp: the per-token KL term in the loss is clamped to ``[-kl_clamp, kl_clamp]`` (verl clamps its
+            low-variance KL at 10): a token past it adds no KL gradient. ``None``: no clamp.
+
+    Returns:
+        ``(loss, metrics)``: ``policy/{approx_kl, ratio_mean}``, the trust region's stats (``clip_frac*`` or
+        ``gate_weight_mean``); when ``ref_logp`` is given ``policy/kl_ref`` (the unclamped mean),
+        ``policy/kl_ref_max`` (the largest per-token KL, 0 without valid tokens) and, with
+        ``kl_clamp``, ``policy/kl_clamp_frac`` (the share of tokens the clamp bit).
+    """
+    _check_policy_args(logp, old_logp, ref_logp, mask, ratio_level, trust_region, aggregation, kl_coef,
+                       kl_estimator)
+    mask = mask.bool()
+    level = RATIO_LEVELS[ratio_level]
+    adv = level.advantages(broadcast_advantages(advantages, logp), mask)
+    log_ratio = level.log_ratio(logp, old_logp, mask)
+    valid_logp = torch.where(mask, logp, 0.0)  # a region that reads logp (CISPO) never sees padding garbage
+    surrogate = _trust_region(trust_region, trust_region_args, valid_logp, log_ratio, adv, mask)
+    per_token = surrogate.loss if token_weights is None else surrogate.loss * token_weights.detach()
+    metrics = _surrogate_metrics(surrogate, log_ratio, mask, level.metric_mode, logp.dtype)
+    if ref_logp is not None:
+        term, kl_metrics = _reference_kl(logp, ref_logp, mask, kl_estimator, kl_clamp)
+        if kl_coef != 0:
+            per_token = per_token + kl_coef * term
+        metrics.update(kl_metrics)
+    return aggregate(per_token, mask, aggregation, num_tokens=num_tokens, num_seqs=num_seqs), metrics
+
+
+def _check_policy_args(
+    logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, mask: Tensor, ratio_level: str,
+    trust_region: str, aggregation: str, kl_coef: float, kl_estimator: str,
+) -> None:
+    """:func:`policy_loss`'s shapes, choices and KL settings, each error naming its argument."""
+    check_shapes("logp", logp, ndim=2, old_logp=old_logp, mask=mask, ref_logp=ref_logp)
+    check_choice("ratio_level", ratio_level, tuple(RATIO_LEVELS))
+    check_choice("trust_region", trust_region, tuple(TRUST_REGIONS))
+    check_choice("aggregation", aggregation, AGGREGATIONS)
+    check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
+    if kl_coef < 0:
+        raise ValueError(f"`kl_coef` must be >= 0, got {kl_coef}")
+    if ref_logp is None and kl_coef != 0:
+        raise ValueError(
+            f"`ref_logp` is None but the KL coefficient is {kl_coef}; pass ref_logp or set it to 0"
+        )
+
+
+@torch.no_grad()
+def _surrogate_metrics(
+    surrogate: Surrogate, log_ratio: Tensor, mask: Tensor, metric_mode: str, dtype: torch.dtype
+) -> dict[str, Tensor]:
+    """The trust region's stats, ``policy/ratio_mean`` and ``policy/approx_kl``, each a mean over what one
+    ratio stands for (``metric_mode``), in ``dtype`` (``logp``'s); ``mask`` bool."""
+
+    def mean(x: Tensor) -> Tensor:
+        return aggregate(x.to(dtype), mask, metric_mode)
+
+    metrics = {f"policy/{name}": mean(value) for name, value in surrogate.stats.items()}
+    metrics["policy/ratio_mean"] = mean(surrogate.ratio)
+    # k3 of the ratio, (r - 1) - log r: kl_penalty's k3 with d = log r
+    metrics["policy/approx_kl"] = mean(kl_penalty(torch.zeros_like(log_ratio), log_ratio, "k3"))
+    return metrics
+
+
+def _reference_kl(
+    logp: Tensor, ref_logp: Tensor, mask: Tensor, kl_estimator: str, kl_clamp: float | None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The per-token KL term of the loss (``[B, T]``, clamped to ``kl_clamp``; differentiable through
+    ``logp``) and its metrics ``policy/kl_ref`` (unclamped mean), ``policy/kl_ref_max`` and, with
+    ``kl_clamp``, ``policy/kl_clamp_frac``; ``mask`` bool."""
+    kl = kl_penalty(torch.where(mask, logp, 0.0), torch.where(mask, ref_logp, 0.0), kl_estimator)
+    term = kl if kl_clamp is None else kl.clamp(-kl_clamp, kl_clamp)
+    detached = kl.detach()
+    metrics = {"policy/kl_ref": masked_mean(detached, mask)}
+    metrics["policy/kl_ref_max"] = torch.where(mask, detached, -torch.inf).amax() if mask.any() \
+        else detached.new_zeros(())  # every metric stays finite, an all-masked batch's too
+    if kl_clamp is not None:
+        metrics["policy/kl_clamp_frac"] = masked_mean((detached.abs() > kl_clamp).to(logp.dtype), mask)
+    return term, metrics
+
+
+# ------------------------------------------------------------------------------- the contract's presets
+def _ppo_clip(clip_eps: float, clip_eps_high: float | None, clip_ratio_c: float | None) -> dict[str, Any]:
+    """The clip trust region's options from PPO's argument names, validated under those names."""
+    check_range("clip_eps", clip_eps, high=1.0)
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    check_range("clip_eps_high", eps_high)
+    return {"clip_low": clip_eps, "clip_high": eps_high, "clip_ratio_c": clip_ratio_c}
+
+
+def ppo_policy_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_eps: float = 0.2,
+    aggregation: Aggregation = "token-mean", *, clip_eps_high: float | None = None,
+    clip_ratio_c: float | None = None, num_tokens: Count = None, num_seqs: Count = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate: ``aggregate(-min(r A, clip(r, 1-eps, 1+eps_high) A))``,
+    ``r = exp(logp - old_logp)``; dual clip (``clip_ratio_c = c > 1``) caps the loss at ``-c A`` for A < 0.
+
+    Args:
+        clip_eps: lower (and default upper) clip range, in (0, 1).
+        clip_eps_high: upper range (None: clip_eps).
+        aggregation: one of :data:`AGGREGATIONS`. clip_ratio_c: dual-clip constant ``c > 1`` or None (off).
+        num_tokens, num_seqs: whole-minibatch normalisers (see :func:`aggregate`).
+        token_weights: ``[B, T]`` detached per-token weights of the surrogate (off-policy correction,
+            :func:`rollout_is_weights`), or None; the KL term is not weighted.
+
+    Returns:
+        ``(loss, metrics)`` with ``policy/{clip_frac, clip_frac_low, clip_frac_high, approx_kl, ratio_mean}``
+        and ``policy/clip_frac_dual`` when dual clip is on.
+    """
+    clip = _ppo_clip(clip_eps, clip_eps_high, clip_ratio_c)
+    return policy_loss(logp, old_logp, None, advantages, mask, trust_region="clip", trust_region_args=clip,
+                       aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs)
+
+
+def dapo_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float = 0.2,
+    clip_high: float = 0.28, aggregation: Aggregation = "token-mean", *, clip_ratio_c: float | None = None,
+    num_tokens: Count = None, num_seqs: Count = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DAPO: PPO clip with the decoupled ("clip-higher") range ``[1 - clip_low, 1 + clip_high]``.
+
+    Same shapes, options and metrics as :func:`ppo_policy_loss`.
+    """
+    clip = {"clip_low": clip_low, "clip_high": clip_high, "clip_ratio_c": clip_ratio_c}
+    return policy_loss(logp, old_logp, None, advantages, mask, trust_region="clip", trust_region_args=clip,
+                       aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs)
+
+
+def grpo_loss(
+    logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, advantages: Tensor, mask: Tensor,
+    clip_eps: float = 0.2, beta: float = 0.04, aggregation: Aggregation = "seq-mean-token-mean", *,
+    clip_eps_high: float | None = None, clip_ratio_c: float | None = None, kl_estimator: KLEstimator = "k3",
+    num_tokens: Count = None, num_seqs: Count = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GRPO: ``-aggregate(min(r A, clip(r) A) - beta * KL_t)``, ``KL_t = kl_penalty(logp, ref_logp)``.
+
+    Args:
+        ref_logp: ``[B, T]`` reference log-probs; may be ``None`` only when ``beta == 0``.
+        beta: KL coefficient, >= 0.
+        kl_estimator: one of :data:`KL_ESTIMATORS` (default k3, as in the GRPO paper).
+        Others: as in :func:`ppo_policy_loss` (default aggregation is per-sequence token mean).
+
+    Returns:
+        ``(loss, metrics)``: the PPO metrics plus ``policy/kl_ref`` when ``ref_logp`` is given.
+    """
+    if beta < 0:
+        raise ValueError(f"`beta` must be >= 0, got {beta}")
+    if ref_logp is None and beta != 0:
+        raise ValueError(f"`ref_logp` is None but beta={beta}; pass ref_logp or set beta=0")
+    clip = _ppo_clip(clip_eps, clip_eps_high, clip_ratio_c)
+    return policy_loss(logp, old_logp, ref_logp, advantages, mask, trust_region="clip",
+                       trust_region_args=clip, aggregation=aggregation, kl_coef=beta,
+                       kl_estimator=kl_estimator, num_tokens=num_tokens, num_seqs=num_seqs)
+
+
+def gspo_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float = 3e-4,
+    clip_high: float = 4e-4, *, num_seqs: Count = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO: sequence-level ratio ``s_i = exp(sum_t m_it (logp - old_logp)_it / sum_t m_it)``;
+    ``loss = -mean_i min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i)`` over rows with a valid token.
+
+    The same computation as training's ``ratio_level: sequence`` (GSPO-token, equal in value and gradient).
+
+    Args:
+        advantages: ``[B]``, or ``[B, T]`` constant per row (the row's masked mean over valid tokens is used).
+        num_seqs: whole-minibatch count of non-empty rows (micro-batching).
+        Others: as in :func:`ppo_policy_loss`.
+
+    Returns:
+        ``(loss, metrics)``: ``policy/{clip_frac, clip_frac_low, clip_frac_high, ratio_mean, approx_kl}`` are
+        means over sequences, i.e. over what the sequence ratio clips (``ratio_mean`` = mean of ``s_i``,
+        ``approx_kl`` = mean of ``(s_i - 1) - log s_i``).
+    """
+    clip = {"clip_low": clip_low, "clip_high": clip_high}
+    return policy_loss(logp, old_logp, None, advantages, mask, ratio_level="sequence", trust_region="clip",
+                       trust_region_args=clip, aggregation="seq-mean-token-mean", num_seqs=num_seqs)
+
+
+def sapo_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, tau_pos: float = 1.0,
+    tau_neg: float = 1.05, aggregation: Aggregation = "seq-mean-token-mean", *, num_tokens: Count = None,
+    num_seqs: Count = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAPO soft gate: ``loss = -aggregate(f(r) A)``, ``f(r) = 4 / tau * sigmoid(tau (r - 1))``,
+    ``tau = tau_pos if A > 0 else tau_neg`` (see :func:`soft_gate_surrogate`).
+
+    Returns:
+        ``(loss, metrics)`` with ``policy/{gate_weight_mean, approx_kl, ratio_mean}``.
+    """
+    gate = {"tau_pos": tau_pos, "tau_neg": tau_neg}
+    return policy_loss(logp, old_logp, None, advantages, mask, trust_region="soft_gate",
+                       trust_region_args=gate, aggregation=aggregation, num_tokens=num_tokens,
+                       num_seqs=num_seqs)
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_eps: float = 0.2, *,
+    num_tokens: Count = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped value loss: ``0.5 * token-mean(max((v - R)^2, (v_old + clip(v - v_old, -eps, eps) - R)^2))``.
+
+    Args:
+        values, old_values, returns, mask: ``[B, T]``.
+        clip_eps: value clip range, > 0.
+        num_tokens: whole-minibatch valid-token count (micro-batching).
+
+    Returns:
+        ``(loss, metrics)`` with ``value/{clip_frac, mean, returns_mean, error}`` (``error`` = masked MSE).
+    """
+    check_shapes("values", values, ndim=2, old_values=old_values, returns=returns, mask=mask)
+    check_range("clip_eps", clip_eps)
+    mask = mask.bool()
+    unclipped = (values - returns) ** 2
+    clipped = (old_values + (values - old_values).clamp(-clip_eps, clip_eps) - returns) ** 2
+    loss = 0.5 * aggregate(torch.maximum(unclipped, clipped), mask, "token-mean", num_tokens=num_tokens)
+    with torch.no_grad():
+        metrics = {
+            "value/clip_frac": masked_mean((clipped > unclipped).to(values.dtype), mask),
+            "value/mean": masked_mean(values.detach(), mask),
+            "value/returns_mean": masked_mean(returns.detach(), mask),
+            "value/error": masked_mean(unclipped.detach(), mask),
+        }
+    return loss, metrics

@@ -1,0 +1,50 @@
+"""Off-policy correction: when the rollout engine is not the trained module (a bf16 copy, a server), its
+log-probs of the sampled tokens (``rollout_logp``) differ from the trainer's behaviour log-probs
+(``old_logp``), and the samples are off-policy for the trainer. Truncated (TIS) or masked (MIS) importance
+weights ``w = f(exp(old_logp - rollout_logp))``, detached, multiply the policy loss per token (verl's
+rollout correction, TRL's vLLM importance sampling); the gap is logged every step (``rollout/mismatch_*``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from lightning_rl.maths.advantages import rollout_is_weights, rollout_mismatch_stats
+from lightning_rl.step.rollout import Rollout
+
+
+class RolloutCorrection:
+    """The correction-weights stage (``model.init_args.rollout_correction``).
+
+    Applied when a rollout carries the engine's ``rollout_logp`` and the trainer recomputed ``old_logp``
+    (decoupled: engine, behaviour and current policy are three); with ``behaviour_logp: from_engine``
+    (bypass) the engine is the behaviour policy and nothing needs correcting.
+
+    Args:
+        level: ``token`` (per-token ratios) or ``sequence`` (the row's summed log-ratio on each token).
+        mode: ``truncate`` (``min(w, cap)``, TIS), ``mask`` (0 where ``w > cap``, MIS), or ``off``
+            (weights 1; the mismatch is still measured and logged).
+        cap: the threshold, >= 1 (verl's TIS default 2.0).
+    """
+
+    def __init__(self, level: Literal["token", "sequence"] = "token",
+                 mode: Literal["truncate", "mask", "off"] = "truncate", cap: float = 2.0) -> None:
+        if level not in ("token", "sequence") or mode not in ("truncate", "mask", "off") or not cap >= 1:
+            raise ValueError("`model.rollout_correction`: `level` must be token or sequence, `mode` "
+                             "truncate, "
+                             f"mask or off, `cap` >= 1; got {level!r}, {mode!r}, {cap}")
+        self.level, self.mode, self.cap = level, mode, cap
+
+    def __call__(self, rollout: Rollout) -> dict[str, float]:
+        """Set ``rollout.is_weights`` (when correcting) and return the mismatch statistics."""
+        engine, behaviour = rollout.rollout_logp, rollout.old_logp
+        if engine is None or behaviour is None or behaviour is engine or not len(rollout):
+            return {}
+        mask = rollout.loss_mask
+        mode = "truncate" if self.mode == "off" else self.mode
+        weights = rollout_is_weights(rollout.old_logp, rollout.rollout_logp, mask, self.level, mode, self.cap)
+        if self.mode != "off":
+            rollout.is_weights = weights
+        stats = rollout_mismatch_stats(rollout.old_logp, rollout.rollout_logp, mask, weights, self.cap,
+                                       level=self.level)
+        return {name: float(value) for name, value in stats.items()}

@@ -1,0 +1,177 @@
+"""Rollout engines: what samples completions for the RL step, validation and predict.
+
+An engine takes left-padded prompts and returns a :class:`Generation`. The module attaches it to the
+policy once (``attach``), asks it to sample (``generate``) and tells it after every optimiser step that
+precedes a rollout (``sync_weights``; a no-op for an engine that samples with the trained module itself).
+An engine that keeps its own weights (a lower-precision copy, a server) sets ``returns_logprobs`` when
+its generations carry the sampled tokens' log-probs (``rollout_logp``) and ``is_trained_module = False``,
+so the step recomputes or corrects behaviour log-probs instead of assuming the sampler is the trainer.
+
+:class:`HFEngine` is the in-process engine: transformers' ``generate`` (with each prompt prefilled once
+for its group's samples), or :func:`lightning_rl.models.sampling.sample_compacting` (finished rows leave the
+batch) where forwards are not collectives. It owns ``synced_gpus``: sharded weights keep every rank
+stepping until all ranks finish.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from lightning_rl.models.generation import Generation, SamplingParams, hf_generate
+from lightning_rl.models.scoring import base_model
+
+if TYPE_CHECKING:
+    from lightning_rl.models.policy import Policy
+
+
+class RolloutEngine:
+    """The rollout-engine seam. Subclass and name it in YAML: ``model.init_args.engine.class_path``.
+
+    Attributes:
+        returns_logprobs: generations carry ``rollout_logp`` (behaviour log-probs ``from_engine``).
+        is_trained_module: the engine samples with the very module being trained (the ratio of a single
+            update per rollout is then exactly 1 and behaviour log-probs may be skipped).
+    """
+
+    returns_logprobs: bool = False
+    is_trained_module: bool = True
+
+    def attach(self, policy: Policy, *, synced: bool = False, compact: bool = False) -> None:
+        """Bind to the trained policy. ``synced``: forwards are collectives (sharded weights), so every
+        rank must keep generating until all finish; ``compact``: the compacting sampler is allowed."""
+        raise NotImplementedError
+
+    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, *, num_samples: int = 1,
+                 sampling: SamplingParams, seed: int | None = None) -> Generation:
+        """``num_samples`` completions per prompt; ``seed`` makes the draw reproducible (resume)."""
+        raise NotImplementedError
+
+    def sync_weights(self, policy: Policy) -> None:
+        """Refresh the engine's weights from the trained policy (after an optimiser step)."""
+
+
+class HFEngine(RolloutEngine):
+    """In-process sampling with the trained module itself (see the module docstring).
+
+    Args:
+        compact: use the compacting sampler when forwards are not collectives: ``None`` follows the
+            module's ``share_prompt_prefix``; ``False`` always uses transformers' ``generate``.
+    """
+
+    def __init__(self, compact: bool | None = None) -> None:
+        self.compact_option = compact
+        self.policy: Any = None
+        self.synced, self.compact = False, False
+
+    def attach(self, policy: Policy, *, synced: bool = False, compact: bool = False) -> None:
+        self.policy, self.synced = policy, synced
+        self.compact = (compact if self.compact_option is None else self.compact_option) and not synced
+
+    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, *, num_samples: int = 1,
+                 sampling: SamplingParams, seed: int | None = None) -> Generation:
+        if self.policy is None:
+            raise RuntimeError("the engine is not attached to a policy: call `attach(policy)` first")
+        with seeded(seed, prompt_ids.device):
+            return hf_generate(self.policy, prompt_ids, prompt_mask, num_samples=num_samples,
+                               sampling=sampling, compact=self.compact, synced_gpus=self.synced)
+
+
+@contextmanager
+def seeded(seed: int | None, device: torch.device) -> Iterator[None]:
+    """Draw from ``seed`` without disturbing the global RNG streams (nothing happens for ``None``)."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
+
+
+class CopyEngine(HFEngine):
+    """Samples with its own copy of the policy's weights in ``dtype`` (bf16 by default): AMX / tensor-core
+    arithmetic for rollouts while training keeps fp32 master weights. Its log-probs (``rollout_logp``)
+    differ from the trainer's, so the step recomputes behaviour log-probs and corrects the gap
+    (``model.rollout_correction``) and logs it (``rollout/mismatch_*``).
+
+    ``sync_weights`` copies the trained weights into the copy in place (cast), once per step before
+    sampling: one parameter at a time, so under FSDP2 each is gathered alone (every rank joins each gather,
+    in the same order) and never the whole model at once; under LoRA only the trained (adapter) weights are
+    copied. The copy is a plain attribute: out of checkpoints, optimisers and the module tree.
+
+    Args:
+        dtype: ``bfloat16``, ``float16`` or ``float32`` (``float32``: an exact copy, for checks).
+        compact: as :class:`HFEngine`.
+    """
+
+    returns_logprobs = True
+    is_trained_module = False
+
+    def __init__(self, dtype: str = "bfloat16", compact: bool | None = None) -> None:
+        super().__init__(compact)
+        choices = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+        if dtype not in choices:
+            raise ValueError(f"`model.engine.init_args.dtype` must be one of {sorted(choices)}, "
+                             f"got {dtype!r}")
+        self.dtype = choices[dtype]
+        self.copy: Any = None  # a Policy around the engine's own model
+        self.source: Any = None  # the trained Policy it copies
+
+    def attach(self, policy: Policy, *, synced: bool = False, compact: bool = False) -> None:
+        if self.source is not policy:
+            self.source, self.copy = policy, self.build(policy)
+            self.sync_weights(policy)
+        # the copy is whole on every rank: its forwards are local, never collectives
+        super().attach(self.copy, synced=False, compact=compact)
+
+    def build(self, policy: Policy) -> Policy:
+        """A frozen copy of the policy's model in ``dtype`` on its device (weights: ``sync_weights``)."""
+        from lightning_rl.models.policy import Policy
+        from lightning_rl.models.sharding import is_sharded
+
+        model = policy.model
+        if is_sharded(model):  # FSDP2: the same architecture, built whole; weights arrive layer by layer
+            if hasattr(model, "peft_config"):
+                raise ValueError("`model.engine: CopyEngine` under FSDP2 needs a model without adapters "
+                                 "(`model.peft`); use the default engine with LoRA under FSDP2")
+            from transformers import AutoModelForCausalLM
+
+            device = policy.device if policy.device.type != "meta" else torch.device("cpu")
+            engine_model = AutoModelForCausalLM.from_config(base_model(model).config, dtype=self.dtype)
+            engine_model.to(device)
+        else:
+            engine_model = copy.deepcopy(model).to(self.dtype)
+        engine_model.requires_grad_(False).eval()
+        engine = Policy(engine_model, policy.tokenizer)
+        engine.share_prompts = policy.share_prompts
+        return engine
+
+    @torch.no_grad()
+    def sync_weights(self, policy: Policy) -> None:
+        """Copy (and cast) the trained weights into the engine's; only trainable ones under LoRA."""
+        if self.copy is None:
+            return
+        from lightning_rl.models.sharding import full_value
+
+        mine = dict(self.copy.model.named_parameters())
+        peft = hasattr(policy.model, "peft_config")
+        for name, param in policy.model.named_parameters():
+            if peft and not param.requires_grad:
+                continue
+            target = mine[name]
+            target.copy_(full_value(param.detach()).to(device=target.device, dtype=target.dtype))
+
+    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, *, num_samples: int = 1,
+                 sampling: SamplingParams, seed: int | None = None) -> Generation:
+        if self.copy is None:
+            raise RuntimeError("the engine is not attached to a policy: call `attach(policy)` first")
+        device_type = prompt_ids.device.type
+        # its weights are already in their dtype: an enclosing autocast (bf16-mixed) would only re-cast
+        with seeded(seed, prompt_ids.device), torch.autocast(device_type, enabled=False):
+            return hf_generate(self.copy, prompt_ids, prompt_mask, num_samples=num_samples, sampling=sampling,
+                               compact=self.compact, return_logprobs=not sampling.greedy)

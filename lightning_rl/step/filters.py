@@ -1,0 +1,80 @@
+"""Rollout filters: stages between rewards and advantages that drop (and may refill) groups.
+
+A filter gets the scored rollout, a ``refill()`` closure from the module (it samples and scores a fresh
+prompt batch and returns ``(rollout, statistics)``) and the step's :class:`Collectives`; it returns the
+rollout to train on and its own statistics. It never reaches into the LightningModule or the DataModule.
+Name filters in YAML under ``model.init_args.filters`` (``class_path`` + ``init_args``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from lightning_rl.maths.advantages import dapo_group_keep
+from lightning_rl.step.collectives import Collectives
+from lightning_rl.step.rollout import Rollout, merge_stats
+
+Refill = Callable[[], tuple[Rollout, dict[str, float]]]
+
+
+def group_size(rollout: Rollout) -> int:
+    """Samples per group (groups are consecutive and equally sized)."""
+    return len(rollout) // max(rollout.num_groups, 1)
+
+
+class RolloutFilter:
+    """The filter seam: subclass and implement ``__call__``."""
+
+    def __call__(self, rollout: Rollout, refill: Refill,
+                 collectives: Collectives) -> tuple[Rollout, dict[str, float]]:
+        raise NotImplementedError
+
+
+class DynamicSampling(RolloutFilter):
+    """DAPO's dynamic sampling: keep the groups whose samples disagree on correctness, refill from new
+    prompts until as many groups as the batch had prompts are kept or ``max_gen_batches`` rounds ran.
+
+    A group with one outcome has zero advantage everywhere: it adds nothing to the gradient but still
+    counts in token-mean denominators. The filter reads verifiable correctness (``rollout.correct``), never
+    a shaped reward, so an overlong penalty cannot make an all-wrong group look informative.
+
+    The number of rounds is agreed by all ranks: before each refill a "this rank needs more" flag is
+    all-reduced (max) and every rank refills while any rank needs to (a full rank's extra groups are
+    trimmed): under sharded weights sampling is itself a collective, and the refill streams stay aligned.
+    Logs ``rollout/filtered_group_frac`` (dropped / generated groups) and ``rollout/gen_batches``.
+
+    Args:
+        max_gen_batches: generation rounds per step, the first included (>= 1).
+    """
+
+    def __init__(self, max_gen_batches: int = 3) -> None:
+        if max_gen_batches < 1:
+            raise ValueError(f"`model.max_gen_batches` must be >= 1, got {max_gen_batches}")
+        self.max_gen_batches = max_gen_batches
+
+    @staticmethod
+    def keep(rollout: Rollout, size: int) -> Rollout:
+        return rollout.select(dapo_group_keep(rollout.correct, size).repeat_interleave(size))
+
+    def __call__(self, rollout: Rollout, refill: Refill,
+                 collectives: Collectives) -> tuple[Rollout, dict[str, float]]:
+        size, target = group_size(rollout), rollout.num_groups
+        kept = [self.keep(rollout, size)]
+        generated, rounds, stats = target, 1, {}
+        while rounds < self.max_gen_batches:
+            need = sum(len(k) for k in kept) < target * size
+            if not collectives.any(need, rollout.rewards.device):
+                break
+            more, more_stats = refill()
+            stats = merge_stats(stats, more_stats)
+            kept.append(self.keep(more, size))
+            generated += more.num_groups
+            rounds += 1
+        nonempty = [k for k in kept if len(k)]
+        out = Rollout.cat(nonempty) if nonempty else kept[0]
+        out = out.select(torch.arange(min(len(out), target * size), device=out.rewards.device))
+        stats["rollout/filtered_group_frac"] = 1.0 - sum(len(k) for k in kept) / size / generated
+        stats["rollout/gen_batches"] = float(rounds)
+        return out, stats

@@ -1,0 +1,118 @@
+"""The log-prob passes of the RL step: reference and behaviour log-probs of a rollout's sampled tokens.
+
+Every pass scores at the sampling temperature on the unfiltered distribution (top-k / top-p belong to
+sampling only), reads ``attention_mask`` for the context and runs under ``no_grad`` in micro-batches.
+Forwards of sharded weights are collectives: every rank agrees on the count before the first forward and
+pads with empty forwards, so no rank's all-reduce meets another rank's weight gather.
+
+Behaviour log-probs (``old_logp``) come from one of:
+
+- ``recompute``: the trained policy scores the rollout before the first update (decoupled: behaviour,
+  trainer and engine may be three policies).
+- ``from_engine``: the engine's own ``rollout_logp`` (bypass: the engine is the behaviour policy).
+- ``on_policy``: none; the current log-probs, detached, stand in. Exact only for one update per rollout
+  from the trained module itself (the ratio is then 1 and its gradient the plain policy gradient).
+- ``auto``: ``on_policy`` where that is exact, else ``recompute``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from lightning_rl.step.collectives import Collectives
+from lightning_rl.step.rollout import Rollout
+
+BehaviourSource = Literal["auto", "recompute", "from_engine", "on_policy"]
+BEHAVIOUR_SOURCES = ("auto", "recompute", "from_engine", "on_policy")
+
+
+@torch.no_grad()
+def score_rollout(scorer: Any, rollout: Rollout, *, temperature: float, micro_batch_size: int | None,
+                  collectives: Collectives, joiner: Any = None) -> Tensor:
+    """``[N, C]`` log-probs of the rollout's completion tokens under ``scorer`` (a Policy or reference).
+
+    ``joiner``: the trained policy when ``scorer``'s forwards run its sharded weights (the policy itself,
+    or a reference sharing them): its forward count is agreed over ranks and padded with empty forwards.
+    """
+    size = micro_batch_size or max(len(rollout), 1)
+    parts = list(rollout.minibatches(size))
+    total = len(parts) if joiner is None else collectives.agreed_count(joiner.model, len(parts))
+    out = [scorer.token_logprobs(p.prompt_ids, p.prompt_mask, p.completion_ids, p.attention_mask,
+                                 temperature=temperature)[0] for p in parts]
+    for _ in range(total - len(parts)):
+        collectives.empty_loss(joiner)
+    if not out:
+        return rollout.attention_mask.new_zeros(rollout.attention_mask.shape).float()
+    return torch.cat(out, 0)
+
+
+def resolve_behaviour(source: str, updates_per_rollout: int, engine: Any) -> str:
+    """The behaviour source this step uses; ``auto`` resolved. Raises naming ``model.behaviour_logp``."""
+    if source not in BEHAVIOUR_SOURCES:
+        raise ValueError(f"`model.behaviour_logp` must be one of {BEHAVIOUR_SOURCES}, got {source!r}")
+    if source == "from_engine" and not engine.returns_logprobs:
+        raise ValueError(f"`model.behaviour_logp: from_engine` needs an engine that returns log-probs; "
+                         f"{type(engine).__name__} does not")
+    exact = updates_per_rollout == 1 and engine.is_trained_module
+    if source == "on_policy" and not exact:
+        raise ValueError("`model.behaviour_logp: on_policy` is only exact with one update per rollout "
+                         "(ppo_epochs * num_minibatches == 1) from an engine that samples with the trained "
+                         "module; use `recompute`")
+    if source == "auto":
+        return "on_policy" if exact else "recompute"
+    return source
+
+
+class LogProbPasses:
+    """Reference and behaviour log-probs of a rollout (the step's ``log-prob passes`` stage).
+
+    Args:
+        behaviour: where behaviour log-probs come from (see the module docstring).
+        temperature: the sampling temperature the tokens were drawn at.
+        micro_batch_size: rows per forward (``None``: all at once).
+    """
+
+    def __init__(self, behaviour: str, temperature: float, micro_batch_size: int | None) -> None:
+        self.behaviour, self.temperature, self.micro_batch_size = behaviour, temperature, micro_batch_size
+
+    def __call__(self, rollout: Rollout, policy: Any, reference: Any,
+                 collectives: Collectives) -> tuple[Rollout, dict[str, float]]:
+        """The rollout with ``ref_logp`` (when there is a reference) and ``old_logp`` set, and the passes'
+        times. Empty rollouts run the passes too: their forward counts may be collectives."""
+        def score(scorer: Any) -> Tensor:
+            joiner = policy if scorer is policy or getattr(scorer, "shares_weights", False) else None
+            return score_rollout(scorer, rollout, temperature=self.temperature,
+                                 micro_batch_size=self.micro_batch_size, collectives=collectives,
+                                 joiner=joiner)
+
+        start = time.perf_counter()
+        if reference is not None:
+            rollout.ref_logp = score(reference)
+        middle = time.perf_counter()
+        if self.behaviour == "recompute":
+            rollout.old_logp = score(policy)
+        elif self.behaviour == "from_engine":
+            rollout.old_logp = rollout.rollout_logp
+        else:
+            rollout.old_logp = None
+        end = time.perf_counter()
+        return rollout, {"perf/reference_time": middle - start, "perf/old_logprob_time": end - middle}
+
+
+@torch.no_grad()
+def score_values(critic: Any, rollout: Rollout, micro_batch_size: int | None,
+                 collectives: Collectives) -> Tensor:
+    """``[N, C]`` the critic's values of the rollout's completion tokens (as many forwards on every rank
+    when the critic is sharded)."""
+    size = micro_batch_size or max(len(rollout), 1)
+    out = [critic.values(p.prompt_ids, p.prompt_mask, p.completion_ids, p.attention_mask)
+           for p in rollout.minibatches(size)]
+    for _ in range(collectives.agreed_count(critic.model, len(out)) - len(out)):
+        collectives.empty_loss(critic)
+    if not out:
+        return rollout.attention_mask.new_zeros(rollout.attention_mask.shape).float()
+    return torch.cat(out, 0)

@@ -1,0 +1,190 @@
+"""``Rollout``: the typed record of one batch of sampled completions and everything scored on them.
+
+Rows are samples; the G samples of prompt ``i`` are rows ``i*G .. i*G+G-1`` (``group_ids`` says so
+explicitly). ``N`` = prompts x G, ``P`` = padded prompt length, ``C`` = padded completion length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from lightning_rl.models.generation import Generation
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class Rollout:
+    """One RL batch.
+
+    Attributes:
+        prompt_ids: ``[N, P]`` long, left-padded.
+        prompt_mask: ``[N, P]`` 0/1, 1 on real prompt tokens.
+        completion_ids: ``[N, C]`` long, right-padded.
+        attention_mask: ``[N, C]`` 0/1, 1 on the completion tokens present in the context: the sampled
+            tokens up to and including the first EOS (and, in episodes, environment tokens). Every scoring
+            forward reads this mask, and only this one.
+        loss_mask: ``[N, C]`` 0/1, 1 on the tokens the loss counts: a subset of ``attention_mask``
+            (truncated rows under ``mask_truncated``, tokens with non-finite behaviour or reference
+            log-probs and environment tokens are 0 here but stay in the context). Aggregation, counts and
+            advantages read this mask, and only this one.
+        truncated: ``[N]`` bool, no EOS within the token budget.
+        lengths: ``[N]`` long, sampled completion lengths (EOS included), whatever the loss mask says.
+        group_ids: ``[N]`` long, index of the prompt each row answers (consecutive groups of G).
+        rewards: ``[N]`` float, total (weighted, shaped) reward.
+        correct: ``[N]`` bool, verifiable correctness (what DAPO's filter and ``val/accuracy`` use).
+        advantages: ``[N]`` (per sequence) or ``[N, C]`` (per token) float, set once by the advantage
+            estimator after filtering.
+        old_logp: ``[N, C]`` behaviour-policy log-probs, or ``None`` on-policy (one update per rollout from
+            the trained module: the ratio is 1 and the current log-probs, detached, stand in).
+        ref_logp: ``[N, C]`` reference log-probs, or ``None`` when no KL term is on.
+        rollout_logp: ``[N, C]`` the engine's log-probs of the sampled tokens, when it returns them.
+        is_weights: ``[N, C]`` off-policy correction weights (``lightning_rl.step.correction``), or ``None``.
+        token_rewards: ``[N, C]`` per-token rewards (the score on the last token minus a KL-in-reward
+            penalty), when a KL penalty is in the reward; else ``None`` (``rewards`` alone).
+        model_mask: ``[N, C]`` 1 on the tokens the model sampled, for episodes (observation tokens are 0:
+            context, never loss); ``None`` for single-turn rollouts (every ``attention_mask`` token).
+        values: ``[N, C]`` critic values at rollout time (PPO), else ``None``.
+        returns: ``[N, C]`` value targets (PPO), else ``None``.
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    attention_mask: Tensor
+    loss_mask: Tensor
+    truncated: Tensor
+    lengths: Tensor
+    group_ids: Tensor
+    rewards: Tensor
+    correct: Tensor
+    advantages: Tensor | None = None
+    old_logp: Tensor | None = None
+    ref_logp: Tensor | None = None
+    rollout_logp: Tensor | None = None
+    token_rewards: Tensor | None = None
+    is_weights: Tensor | None = None
+    model_mask: Tensor | None = None
+    values: Tensor | None = None
+    returns: Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.group_ids.unique().numel())
+
+    def select(self, index: Tensor) -> Rollout:
+        """The rows ``index`` (a long index or bool mask over ``N``) of every tensor field."""
+        return replace(self, **{f.name: _take(getattr(self, f.name), index) for f in fields(self)})
+
+    def minibatches(self, size: int, generator: torch.Generator | None = None) -> Iterator[Rollout]:
+        """Disjoint minibatches of ``size`` rows covering the rollout, shuffled when ``generator``
+        is given.
+        """
+        n = len(self)
+        order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
+        for start in range(0, n, size):
+            yield self.select(order[start : start + size].to(self.completion_ids.device))
+
+    def empty(self) -> Rollout:
+        """No rows, every field's shape otherwise kept (a rank's share that ran out)."""
+        return self.select(torch.arange(0, device=self.completion_ids.device))
+
+    @classmethod
+    def from_generation(cls, gen: Generation, group_ids: Tensor, rewards: Tensor, correct: Tensor,
+                        mask_truncated: bool = False) -> Rollout:
+        """A rollout of ``gen``: the loss counts every sampled token (not observation tokens of episodes, not
+        truncated rows' when ``mask_truncated``)."""
+        loss_mask = gen.completion_mask if gen.model_mask is None else gen.model_mask
+        if mask_truncated:
+            loss_mask = loss_mask * (~gen.truncated).long()[:, None]
+        return cls(gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask, loss_mask,
+                   gen.truncated, gen.lengths, group_ids, rewards, correct, rollout_logp=gen.rollout_logp,
+                   model_mask=gen.model_mask)
+
+    @staticmethod
+    def cat(parts: list[Rollout]) -> Rollout:
+        """Concatenate rollouts row-wise, padding prompts on the left and completions on the right."""
+        if len(parts) == 1:
+            return parts[0]
+        out = {}
+        for f in fields(Rollout):
+            values = [getattr(p, f.name) for p in parts]
+            if values[0] is None:
+                out[f.name] = None
+            elif f.name.startswith("prompt_"):
+                out[f.name] = torch.cat(_pad(values, left=True), 0)
+            else:
+                out[f.name] = torch.cat(_pad(values, left=False), 0)
+        offsets = torch.cumsum(torch.tensor([0] + [int(p.group_ids.max()) + 1 for p in parts[:-1]]), 0)
+        out["group_ids"] = torch.cat([p.group_ids + int(o) for p, o in zip(parts, offsets, strict=True)])
+        return Rollout(**out)
+
+
+def _take(value: Tensor | None, index: Tensor) -> Tensor | None:
+    return None if value is None else value[index]
+
+
+def _pad(values: list[Tensor], left: bool) -> list[Tensor]:
+    """Pad 2-D tensors to one width with zeros (ids pad with 0 too: the mask says what is real)."""
+    if values[0].dim() < 2:
+        return values
+    width = max(v.shape[1] for v in values)
+    padded = []
+    for v in values:
+        extra = width - v.shape[1]
+        pad = (extra, 0) if left else (0, extra)
+        padded.append(torch.nn.functional.pad(v, pad))
+    return padded
+
+
+def merge_stats(stats: Mapping[str, float], extra: Mapping[str, float]) -> dict[str, float]:
+    """A new dict: ``stats`` plus ``extra``, summing the values of names in both (e.g. generation time)."""
+    out = dict(stats)
+    for name, value in extra.items():
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def exclude_nonfinite(rollout: Rollout) -> tuple[Rollout, float]:
+    """Leave out of the loss any token whose behaviour or reference log-prob is not finite.
+
+    Only ``loss_mask`` changes: the token stays in the context (``attention_mask``), so the other tokens
+    of its row are scored against the same context as their behaviour and reference log-probs were.
+    Returns the rollout (a new record when anything was excluded) and the number of excluded tokens.
+    """
+    valid = rollout.loss_mask.bool()
+    keep = valid
+    for logp in (rollout.old_logp, rollout.ref_logp):
+        if logp is not None:
+            keep = keep & torch.isfinite(logp)
+    excluded = float((valid & ~keep).sum())
+    if not excluded:
+        return rollout, 0.0
+    clean = {name: None if t is None else torch.where(keep, t, 0.0)
+             for name, t in (("old_logp", rollout.old_logp), ("ref_logp", rollout.ref_logp))}
+    return replace(rollout, loss_mask=keep.to(rollout.loss_mask.dtype), **clean), excluded
+
+
+def rollout_stats(rollout: Rollout) -> dict[str, tuple[Tensor, float]]:
+    """``rollout/*`` statistics of one (non-empty) rollout as ``{name: (value, weight)}``."""
+    n = float(len(rollout))
+    rewards = rollout.rewards.float()
+    _, inverse = torch.unique_consecutive(rollout.group_ids, return_inverse=True)
+    n_groups = int(inverse.max()) + 1
+    high = rewards.new_full((n_groups,), -torch.inf).scatter_reduce(0, inverse, rewards, "amax")
+    low = rewards.new_full((n_groups,), torch.inf).scatter_reduce(0, inverse, rewards, "amin")
+    zero_std = (high == low).float()
+    return {
+        "rollout/reward_mean": (rewards.mean(), n),
+        "rollout/reward_std": (rewards.std() if len(rewards) > 1 else rewards.new_zeros(()), n),
+        "rollout/correct_frac": (rollout.correct.float().mean(), n),
+        "rollout/response_length_mean": (rollout.lengths.float().mean(), n),
+        "rollout/truncated_frac": (rollout.truncated.float().mean(), n),
+        "rollout/zero_std_group_frac": (zero_std.mean(), float(n_groups)),
+    }

@@ -1,0 +1,140 @@
+"""The updater: ``ppo_epochs`` passes over a rollout in ``num_minibatches`` optimiser steps each, every
+minibatch accumulated over micro-batches, for a list of trained models (the policy; PPO adds its critic).
+
+Each minibatch's losses are normalised by the counts of the whole minibatch over all ranks, and each
+micro-batch's loss is multiplied by the world size (data-parallel strategies average gradients over
+ranks), so the gradient does not depend on micro-batch size, accumulation or world size. Minibatches are
+made of whole groups in a shuffled order, so a group's shared prompt is scored once. Under sharded
+weights every rank runs as many micro-batches (empty ones join the gradient reduction with a zero loss).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_rl.maths.aggregation import normalizer_counts
+from lightning_rl.step.collectives import Collectives
+from lightning_rl.step.rollout import Rollout
+
+MicroLoss = Callable[[Rollout, Tensor, Tensor], tuple[Tensor, dict[str, Tensor]]]
+
+
+@dataclass
+class TrainedModel:
+    """One model the updater trains.
+
+    Attributes:
+        name: its metric namespace (``policy``, ``critic``): gradient norms are ``<name>/grad_norm``.
+        module: the Policy / Critic (``.model`` is its FSDP2 root; it supplies empty-batch losses).
+        optimizer: its (Lightning) optimiser; ``None``: the model joins the backward (its loss is a zero
+            loss, so data-parallel wrappers see every parameter used) but is not stepped (PPO's policy
+            while the critic warms up).
+        loss: ``(micro, num_tokens, num_seqs) -> (loss, metrics)`` with the minibatch's global counts.
+        summed: metric names that are micro-batch terms of a minibatch sum (reported per minibatch).
+        counts_as_step: its step is the trainer's step (``global_step``); others step alongside.
+    """
+
+    name: str
+    module: Any
+    optimizer: Any
+    loss: MicroLoss
+    summed: tuple[str, ...] = ()
+    counts_as_step: bool = True
+
+
+@dataclass
+class UpdateHooks:
+    """What the updater needs from Lightning, as plain callables (built by the module)."""
+
+    backward: Callable[[Tensor], None]  # the strategy's backward (precision plugin, DeepSpeed engine)
+    accumulating: Callable[[list[Any], bool], AbstractContextManager]  # (models, last) -> grad-sync context
+    step: Callable[[TrainedModel], None]  # optimiser step (clipping in on_before_optimizer_step) + scheduler
+
+
+class Updater:
+    """Minibatches, micro-batches, global counts, empty-forward joins and stepping (see the module).
+
+    Args:
+        ppo_epochs: passes over each rollout.
+        num_minibatches: optimiser steps per pass (each rank splits its rollout into this many).
+        micro_batch_size: rows per forward / backward (``None``: a whole minibatch at once).
+        max_grad_norm: gradient clipping by global norm (``None``: off).
+    """
+
+    def __init__(self, ppo_epochs: int = 1, num_minibatches: int = 1, micro_batch_size: int | None = None,
+                 max_grad_norm: float | None = 1.0) -> None:
+        for key, value in {"ppo_epochs": ppo_epochs, "num_minibatches": num_minibatches}.items():
+            if not value > 0:
+                raise ValueError(f"`model.{key}` must be > 0, got {value}")
+        if micro_batch_size is not None and micro_batch_size < 1:
+            raise ValueError(f"`model.micro_batch_size` must be >= 1, got {micro_batch_size}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"`model.max_grad_norm` must be > 0 or null, got {max_grad_norm}")
+        self.ppo_epochs, self.num_minibatches = ppo_epochs, num_minibatches
+        self.micro_batch_size, self.max_grad_norm = micro_batch_size, max_grad_norm
+
+    @property
+    def updates_per_rollout(self) -> int:
+        return self.ppo_epochs * self.num_minibatches
+
+    def split(self, rollout: Rollout, generator: torch.Generator) -> list[Rollout]:
+        """``num_minibatches`` minibatches of equal row counts (some may be empty), from the rollout's
+        groups in a shuffled order: a group's samples stay next to each other."""
+        groups, inverse = torch.unique(rollout.group_ids.cpu(), return_inverse=True)
+        place = torch.empty(len(groups), dtype=torch.long)
+        place[torch.randperm(len(groups), generator=generator)] = torch.arange(len(groups))
+        order = torch.argsort(place[inverse] * len(rollout) + torch.arange(len(rollout)))
+        order = order.to(rollout.completion_ids.device)
+        return [rollout.select(part) for part in torch.tensor_split(order, self.num_minibatches)]
+
+    def run(self, rollout: Rollout, trained: list[TrainedModel], hooks: UpdateHooks,
+            collectives: Collectives, generator: torch.Generator) -> Iterator[tuple[dict, float]]:
+        """Every update of the step; yields each micro-batch's metrics and its share of the minibatch."""
+        for _ in range(self.ppo_epochs):
+            for minibatch in self.split(rollout, generator):
+                yield from self.update(minibatch, trained, hooks, collectives)
+
+    def update(self, minibatch: Rollout, trained: list[TrainedModel], hooks: UpdateHooks,
+               collectives: Collectives) -> Iterator[tuple[dict[str, Tensor], float]]:
+        """One optimiser step of every trained model on ``minibatch``, accumulated over micro-batches."""
+        counts = torch.stack(normalizer_counts(minibatch.loss_mask)).float()
+        num_tokens, num_seqs = collectives.sum(counts).unbind()
+        world = collectives.world_size
+        size = self.micro_batch_size or max(len(minibatch), 1)
+        micros = list(minibatch.minibatches(size)) or [minibatch]
+        roots = [t.module.model for t in trained]
+        total = max(collectives.agreed_count(root, len(micros), backward=True) for root in roots)
+        micros += [minibatch.empty()] * (total - len(micros))
+        stepped = [t for t in trained if t.optimizer is not None]
+        for t in stepped:
+            t.optimizer.zero_grad()
+        for i, micro in enumerate(micros):
+            with hooks.accumulating(roots, i == len(micros) - 1):
+                if len(micro) == 0:  # this rank has nothing, but must join the gradient reduction
+                    hooks.backward(sum(collectives.empty_loss(t.module) for t in trained))
+                    continue
+                loss, metrics = 0.0, {}
+                for t in trained:
+                    part, part_metrics = t.loss(micro, num_tokens, num_seqs)
+                    loss, metrics = loss + part, {**metrics, **part_metrics}
+                hooks.backward(loss * world)  # the normalisers are already global
+            share = len(micro) / len(minibatch)
+            for name in (n for t in trained for n in t.summed if n in metrics):
+                metrics[name] = metrics[name].detach() * world / share
+            metrics["perf/pad_frac"] = pad_fraction(micro)
+            yield metrics, share
+        for t in stepped:
+            hooks.step(t)
+
+
+def pad_fraction(micro: Rollout) -> Tensor:
+    """The share of a training micro-batch's positions (prompt + completion) that are padding."""
+    total = micro.prompt_ids.numel() + micro.completion_ids.numel()
+    real = micro.prompt_mask.sum() + micro.attention_mask.sum()
+    return 1.0 - real.float() / max(total, 1)

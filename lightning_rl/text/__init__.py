@@ -1,0 +1,1 @@
+"""Prompts and preference pairs as text and tokens, and the batch column names the DataModules write."""
