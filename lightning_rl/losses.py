@@ -1,12 +1,77 @@
 """The published contract (DESIGN.md, "Contract: ``lightning_rl.losses``"): every loss, advantage, penalty and
-importance-weight function under its contract name, importable from here whatever layer defines it.
-
-The functions live in the maths layer (``lightning_rl.maths``: ``losses``, ``advantages``, ``aggregation``,
-``trust_regions``, ``ratio_levels``, ``preference_losses``); code inside the package imports them from
-there, users and the contract tests from here.
+importance-weight function under its contract name, importable from here whatever module of the maths layer
+defines it (``lightning_rl.maths``: ``losses``, ``advantages``, ``aggregation``, ``trust_regions``,
+``ratio_levels``, ``preference_losses``). Code inside the package imports from the defining module; users
+and the contract tests from here.
 """
 
-import lightning_rl.maths.losses as maths_losses
-from lightning_rl.maths.losses import *  # noqa: F403
+from lightning_rl.maths.advantages import (
+    KL_ESTIMATORS,
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_IS_MODES,
+    KLEstimator,
+    RolloutISLevel,
+    RolloutISMode,
+    adaptive_kl_coef,
+    dapo_group_keep,
+    explained_variance,
+    gae_advantages,
+    group_advantages,
+    kl_penalty,
+    masked_moments,
+    moments_mean_var,
+    overlong_penalty,
+    reinforce_baseline_advantages,
+    reinforce_baseline_centered,
+    rloo_advantages,
+    rollout_is_weights,
+    rollout_mismatch_stats,
+    token_rewards,
+    whiten,
+)
+from lightning_rl.maths.aggregation import (
+    AGGREGATIONS,
+    AGGREGATORS,
+    Aggregation,
+    aggregate,
+    masked_mean,
+    normalizer_counts,
+)
+from lightning_rl.maths.losses import (
+    broadcast_advantages,
+    dapo_loss,
+    entropy_from_logits,
+    grpo_loss,
+    gspo_loss,
+    policy_loss,
+    ppo_policy_loss,
+    sapo_loss,
+    value_loss,
+)
+from lightning_rl.maths.preference_losses import DPO_LOSS_TYPES, DPOLossType, dpo_loss, reward_model_loss
+from lightning_rl.maths.ratio_levels import RATIO_LEVELS, RatioLevel, sequence_log_ratio, token_log_ratio
+from lightning_rl.maths.trust_regions import (
+    SAPO_LOG_RATIO_CLAMP,
+    TRUST_REGION_INPUTS,
+    TRUST_REGIONS,
+    Surrogate,
+    TrustRegion,
+    cispo_surrogate,
+    clipped_surrogate,
+    soft_gate_surrogate,
+    trust_region_options,
+)
 
-__all__ = list(maths_losses.__all__)
+__all__ = [
+    "AGGREGATIONS", "AGGREGATORS", "DPO_LOSS_TYPES", "DPOLossType", "KL_ESTIMATORS", "RATIO_LEVELS",
+    "TRUST_REGIONS", "Aggregation", "KLEstimator", "RatioLevel", "Surrogate", "TrustRegion", "aggregate",
+    "broadcast_advantages", "clipped_surrogate", "dapo_group_keep", "dapo_loss", "dpo_loss",
+    "entropy_from_logits", "gae_advantages", "group_advantages", "grpo_loss", "gspo_loss", "kl_penalty",
+    "masked_mean", "normalizer_counts", "overlong_penalty", "policy_loss", "ppo_policy_loss",
+    "reward_model_loss", "sapo_loss", "sequence_log_ratio", "soft_gate_surrogate", "token_log_ratio",
+    "value_loss", "adaptive_kl_coef", "explained_variance", "masked_moments", "moments_mean_var",
+    "token_rewards", "whiten", "SAPO_LOG_RATIO_CLAMP", "TRUST_REGION_INPUTS", "cispo_surrogate",
+    "trust_region_options", "reinforce_baseline_advantages", "reinforce_baseline_centered",
+    "rloo_advantages", "rollout_is_weights", "rollout_mismatch_stats", "ROLLOUT_IS_LEVELS",
+    "ROLLOUT_IS_MODES", "RolloutISLevel", "RolloutISMode",
+]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,9 @@ def pytest_collection_finish(session):
     while the single-process tests do (``LRL_TEST_LAUNCH=first-use`` waits for the first test that reads
     one, so that nothing else runs beside it)."""
     names = [name for item in session.items for m in item.iter_markers("ranks") for name in m.args]
-    jobs = RankJobs(session.config._tmp_path_factory.mktemp("ranks"), list(dict.fromkeys(names)))
+    factory = getattr(session.config, "_tmp_path_factory", None)  # pytest's own (tmp_path's base folder)
+    folder = factory.mktemp("ranks") if factory else Path(tempfile.mkdtemp(prefix="lightning-rl-ranks-"))
+    jobs = RankJobs(folder, list(dict.fromkeys(names)))
     session.config.stash[RANK_JOBS] = jobs
     if os.environ.get("LRL_TEST_LAUNCH", "background") == "background":
         jobs.start()

@@ -17,7 +17,7 @@ from lightning_rl.algorithms import GRPO
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.episodes.environments import Environment, EpisodeError, EpisodeRunner, StepResult
 from lightning_rl.episodes.tools import HermesFormat, PlainFormat, Tool
-from lightning_rl.maths.losses import aggregate
+from lightning_rl.maths.aggregation import aggregate
 from lightning_rl.models.generation import SamplingParams, make_generation
 from lightning_rl.models.loading import build_char_tokenizer
 from lightning_rl.step.rollout import Rollout

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from lightning_rl.algorithms import DAPO, GRPO
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.data import PromptDataModule
-from lightning_rl.maths.losses import dapo_group_keep
+from lightning_rl.maths.advantages import dapo_group_keep
 from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.estimators import GroupNormalized
 from lightning_rl.step.logprobs import score_rollout

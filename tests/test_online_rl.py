@@ -21,7 +21,8 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_rl.algorithms import DAPO, GRPO, GSPO, SAPO, OnlineRL
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.data import PromptDataModule
-from lightning_rl.maths.losses import dapo_group_keep, normalizer_counts, overlong_penalty
+from lightning_rl.maths.advantages import dapo_group_keep, overlong_penalty
+from lightning_rl.maths.aggregation import normalizer_counts
 from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.logprobs import LogProbPasses, resolve_behaviour, score_rollout
 from lightning_rl.step.rewards import RewardError

@@ -15,7 +15,7 @@ from rank_jobs import run_here
 from lightning_rl.algorithms import GRPO, PPO
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.data import PromptDataModule
-from lightning_rl.maths.losses import (
+from lightning_rl.maths.advantages import (
     adaptive_kl_coef,
     explained_variance,
     gae_advantages,

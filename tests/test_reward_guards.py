@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_rl.algorithms import DAPO
 from lightning_rl.callbacks.base import RLCallback
-from lightning_rl.maths.losses import overlong_penalty
+from lightning_rl.maths.advantages import overlong_penalty
 from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.rewards import RewardError, RewardScorer
 

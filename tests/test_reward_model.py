@@ -16,7 +16,7 @@ from lightning_rl.algorithms import RewardModel
 from lightning_rl.cli.main import ConfigError
 from lightning_rl.data import PreferenceDataModule
 from lightning_rl.data.preference import BUILTIN_VAL
-from lightning_rl.maths.losses import reward_model_loss
+from lightning_rl.maths.preference_losses import reward_model_loss
 from lightning_rl.models.loading import EMBEDDED_MODEL, build_char_tokenizer, tiny_llama_config
 from lightning_rl.models.reward_model import (
     RewardModelScorer,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from lightning_rl.algorithms.online import OnlineRL
-from lightning_rl.maths.losses import Aggregation
+from lightning_rl.maths.aggregation import Aggregation
 
 
 class DAPO(OnlineRL):

@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_rl.algorithms.online import OnlineRL
-from lightning_rl.maths.losses import Aggregation, KLEstimator
+from lightning_rl.maths.advantages import KLEstimator
+from lightning_rl.maths.aggregation import Aggregation
 
 
 class GRPO(OnlineRL):

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_rl.algorithms.online import OnlineRL
-from lightning_rl.maths.losses import Aggregation, RatioLevel
+from lightning_rl.maths.aggregation import Aggregation
+from lightning_rl.maths.ratio_levels import RatioLevel
 
 
 class GSPO(OnlineRL):

@@ -22,15 +22,11 @@ from lightning_rl.algorithms.base import Completions, PolicyModule
 from lightning_rl.algorithms.stepping import ManualSteps
 from lightning_rl.episodes.environments import Environment, EpisodeBatch, episode_runner
 from lightning_rl.episodes.tools import HermesFormat
-from lightning_rl.maths.losses import (
-    Aggregation,
-    KLEstimator,
-    RatioLevel,
-    TrustRegion,
-    aggregate,
-    masked_mean,
-)
+from lightning_rl.maths.advantages import KLEstimator
+from lightning_rl.maths.aggregation import Aggregation, aggregate, masked_mean
 from lightning_rl.maths.objective import Objective
+from lightning_rl.maths.ratio_levels import RatioLevel
+from lightning_rl.maths.trust_regions import TrustRegion
 from lightning_rl.models.generation import SamplingParams
 from lightning_rl.models.reward_model import RewardModelScorer
 from lightning_rl.step.collectives import Collectives

@@ -17,7 +17,9 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from lightning_rl.algorithms.online import OnlineRL
-from lightning_rl.maths.losses import Aggregation, KLEstimator, value_loss
+from lightning_rl.maths.advantages import KLEstimator
+from lightning_rl.maths.aggregation import Aggregation
+from lightning_rl.maths.losses import value_loss
 from lightning_rl.models.critic import load_critic
 from lightning_rl.models.scoring import enable_gradient_checkpointing
 from lightning_rl.models.sharding import zero_loss

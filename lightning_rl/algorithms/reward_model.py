@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from lightning_rl.algorithms.base import PolicyModule, has_callback, real_rows
-from lightning_rl.maths.losses import reward_model_loss
+from lightning_rl.maths.preference_losses import reward_model_loss
 from lightning_rl.models.reward_model import load_reward_network, pair_texts
 from lightning_rl.models.scoring import disable_dropout as zero_dropout
 from lightning_rl.models.scoring import enable_gradient_checkpointing

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_rl.algorithms.online import OnlineRL
-from lightning_rl.maths.losses import Aggregation
+from lightning_rl.maths.aggregation import Aggregation
 from lightning_rl.step.estimators import RLOO as LeaveOneOut
 from lightning_rl.step.estimators import AdvantageEstimator
 

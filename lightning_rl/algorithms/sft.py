@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from lightning_rl.algorithms.base import PolicyModule
-from lightning_rl.maths.losses import aggregate
+from lightning_rl.maths.aggregation import aggregate
 from lightning_rl.text.pairs import pad_rows
 
 

@@ -1,9 +1,9 @@
 """Advantages, KL estimators and reward shaping for RL post-training (pure PyTorch).
 
 Everything here turns rewards and log-probs into the per-sample or per-token numbers the policy
-losses of :mod:`lightning_rl.maths.losses` consume (advantages, KL estimators, reward shaping, and importance
-weights correcting for the rollout engine's log-probs differing from the trainer's); ``losses``
-re-exports every public name, so ``from lightning_rl.maths.losses import group_advantages`` keeps working.
+losses of :mod:`lightning_rl.maths.losses` consume (advantages, KL estimators, reward shaping, and
+importance weights correcting for the rollout engine's log-probs differing from the trainer's). The
+contract functions are also importable from :mod:`lightning_rl.losses`.
 
 Shapes: ``[N]`` per sample (consecutive groups of ``group_size`` share a prompt), ``[B, T]`` per token.
 """

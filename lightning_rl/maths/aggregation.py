@@ -1,7 +1,7 @@
 """Reductions of per-token values: masked means and the three aggregation modes (pure PyTorch).
 
-``x`` and ``mask`` are ``[B, T]``; ``mask`` is bool or 0/1, 1 on the tokens that count. Re-exported by
-:mod:`lightning_rl.maths.losses`. A new aggregation is a function in :data:`AGGREGATORS` plus its name in
+``x`` and ``mask`` are ``[B, T]``; ``mask`` is bool or 0/1, 1 on the tokens that count. Part of the
+contract :mod:`lightning_rl.losses`. A new aggregation is a function in :data:`AGGREGATORS` plus its name in
 :data:`Aggregation` (the config key's type).
 """
 

@@ -24,13 +24,9 @@ Metrics are means over what one ratio stands for (tokens, or GSPO's sequences); 
 k3 of the ratio, ``mean((r - 1) - log r)``: KL(pi_old || pi_theta), >= 0, lower variance than k1.
 ``num_tokens`` / ``num_seqs`` are the whole minibatch's normalisers (micro-batching, see
 :mod:`lightning_rl.maths.aggregation`). Padded log-ratios and log-probs are zeroed before any trust region
-sees
-them, so garbage (even inf/NaN) there cannot reach the loss or its gradient.
-:mod:`lightning_rl.maths.advantages`
-(advantages, KL estimators, shaping, rollout-engine importance weights),
-:mod:`lightning_rl.maths.ratio_levels`,
-:mod:`lightning_rl.maths.trust_regions` and :mod:`lightning_rl.maths.preference_losses` (DPO) are re-exported
-here.
+sees them, so garbage (even inf/NaN) there cannot reach the loss or its gradient. The advantages, KL
+estimators, ratio levels, trust regions and DPO losses live in their own modules of ``lightning_rl.maths``;
+:mod:`lightning_rl.losses` (the published contract) gathers them under one name.
 """
 
 from __future__ import annotations
@@ -40,66 +36,25 @@ from typing import Any
 
 import torch
 
-from lightning_rl.maths.advantages import (
-    KL_ESTIMATORS,
-    ROLLOUT_IS_LEVELS,
-    ROLLOUT_IS_MODES,
-    KLEstimator,
-    RolloutISLevel,
-    RolloutISMode,
-    adaptive_kl_coef,
-    dapo_group_keep,
-    explained_variance,
-    gae_advantages,
-    group_advantages,
-    kl_penalty,
-    masked_moments,
-    moments_mean_var,
-    overlong_penalty,
-    reinforce_baseline_advantages,
-    reinforce_baseline_centered,
-    rloo_advantages,
-    rollout_is_weights,
-    rollout_mismatch_stats,
-    token_rewards,
-    whiten,
-)
+from lightning_rl.maths.advantages import KL_ESTIMATORS, KLEstimator, kl_penalty
 from lightning_rl.maths.aggregation import (
     AGGREGATIONS,
-    AGGREGATORS,
     Aggregation,
     Count,
     aggregate,
     masked_mean,
-    normalizer_counts,
 )
 from lightning_rl.maths.checks import check_choice, check_range, check_shapes
-from lightning_rl.maths.preference_losses import DPO_LOSS_TYPES, DPOLossType, dpo_loss, reward_model_loss
-from lightning_rl.maths.ratio_levels import RATIO_LEVELS, RatioLevel, sequence_log_ratio, token_log_ratio
+from lightning_rl.maths.ratio_levels import RATIO_LEVELS
 from lightning_rl.maths.trust_regions import (
-    SAPO_LOG_RATIO_CLAMP,
-    TRUST_REGION_INPUTS,
     TRUST_REGIONS,
     Surrogate,
-    TrustRegion,
-    cispo_surrogate,
-    clipped_surrogate,
-    soft_gate_surrogate,
     trust_region_options,
 )
 
 __all__ = [
-    "AGGREGATIONS", "AGGREGATORS", "DPO_LOSS_TYPES", "DPOLossType", "KL_ESTIMATORS", "RATIO_LEVELS",
-    "TRUST_REGIONS", "Aggregation", "KLEstimator", "RatioLevel", "Surrogate", "TrustRegion", "aggregate",
-    "broadcast_advantages", "clipped_surrogate", "dapo_group_keep", "dapo_loss", "dpo_loss",
-    "entropy_from_logits", "gae_advantages", "group_advantages", "grpo_loss", "gspo_loss", "kl_penalty",
-    "masked_mean", "normalizer_counts", "overlong_penalty", "policy_loss", "ppo_policy_loss",
-    "reward_model_loss", "sapo_loss", "sequence_log_ratio", "soft_gate_surrogate", "token_log_ratio",
-    "value_loss", "adaptive_kl_coef", "explained_variance", "masked_moments", "moments_mean_var",
-    "token_rewards", "whiten", "SAPO_LOG_RATIO_CLAMP", "TRUST_REGION_INPUTS", "cispo_surrogate",
-    "trust_region_options", "reinforce_baseline_advantages", "reinforce_baseline_centered", "rloo_advantages",
-    "rollout_is_weights", "rollout_mismatch_stats", "ROLLOUT_IS_LEVELS", "ROLLOUT_IS_MODES", "RolloutISLevel",
-    "RolloutISMode",
+    "broadcast_advantages", "dapo_loss", "entropy_from_logits", "grpo_loss", "gspo_loss", "policy_loss",
+    "ppo_policy_loss", "sapo_loss", "value_loss",
 ]
 
 Tensor = torch.Tensor

@@ -1,7 +1,7 @@
 """Preference losses (pure PyTorch): DPO and its variants on summed sequence log-probs, and the
 Bradley-Terry loss of a scalar reward model (:func:`reward_model_loss`).
 
-Re-exported by :mod:`lightning_rl.maths.losses`. A new DPO variant is a function of ``(h, beta,
+Part of the contract :mod:`lightning_rl.losses`. A new DPO variant is a function of ``(h, beta,
 label_smoothing)``,
 ``h = (c - rc) - (r - rr)``, registered in ``_DPO_LOSSES`` with its name in :data:`DPO_LOSS_TYPES`.
 """

@@ -1,6 +1,6 @@
 """The ratio-level axis of :func:`lightning_rl.maths.losses.policy_loss` (pure PyTorch): what one importance
 ratio stands for, a token or a whole sequence (GSPO), and so which advantage it takes and what its
-metrics average over. Re-exported by :mod:`lightning_rl.maths.losses`.
+metrics average over. Part of the contract :mod:`lightning_rl.losses`.
 
 Shapes: ``logp`` / ``old_logp`` float ``[B, T]``, ``mask`` ``[B, T]`` (bool or 0/1).
 """

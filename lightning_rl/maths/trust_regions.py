@@ -1,6 +1,6 @@
 """Trust regions: how a policy objective turns ratios and advantages into a per-token loss (pure PyTorch).
 
-Re-exported by :mod:`lightning_rl.maths.losses`, whose :func:`~lightning_rl.maths.losses.policy_loss` calls
+Part of the contract :mod:`lightning_rl.losses`, whose :func:`~lightning_rl.maths.losses.policy_loss` calls
 them.
 
 Protocol. A trust region is a function registered in :data:`TRUST_REGIONS` and called with keywords only::

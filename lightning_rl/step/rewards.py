@@ -267,7 +267,7 @@ def overlong_reward(completion_lengths: Sequence[int], max_len: int, cache_len: 
     """DAPO's soft overlong punishment per completion (see ``losses.overlong_penalty``)."""
     import torch
 
-    from lightning_rl.maths.losses import overlong_penalty
+    from lightning_rl.maths.advantages import overlong_penalty
 
     return overlong_penalty(torch.as_tensor(list(completion_lengths)), max_len, cache_len).tolist()
 
