@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_rl.data.prompts import RowsDataModule, check_rows, load_rows, row_locator
+from lightning_rl.data.prompts import RowsDataModule
+from lightning_rl.data.rows import check_rows, load_rows, row_locator
 from lightning_rl.data.sort_task import SortTask
 from lightning_rl.text.pairs import EncodedPairs, encode_pairs, render_pair
 

@@ -5,7 +5,7 @@ tokenizer. The training stream is an endless, seeded sequence of prompt batches 
 part of the checkpoint, so a resumed run sees exactly the prompts an uninterrupted run would. Each
 rank takes its own slice of every global batch, and the G samples of a prompt are drawn on the rank
 that holds the prompt, so groups are never split across ranks. Loading and checking the rows is
-:mod:`lightning_rl.data.rows` (its names are re-exported here).
+:mod:`lightning_rl.data.rows`.
 """
 
 from __future__ import annotations
@@ -18,12 +18,10 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_rl.data.calc_task import MultiplyTask, tool_trace_rows
-from lightning_rl.data.rows import FILE_BUILDERS as FILE_BUILDERS  # rows.py: still importable from here
 from lightning_rl.data.rows import check_rows, load_rows, row_locator
-from lightning_rl.data.rows import is_prompt as is_prompt
 from lightning_rl.data.sort_task import SortTask
 from lightning_rl.data.validation import ValidationShard
-from lightning_rl.text.keys import ROW_INDEX_KEY  # defined in the core; still importable from here
+from lightning_rl.text.keys import ROW_INDEX_KEY
 
 
 class PromptStream(IterableDataset):

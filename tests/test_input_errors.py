@@ -22,7 +22,7 @@ import torch
 from helpers import CONFIGS
 
 from lightning_rl.cli.main import main
-from lightning_rl.data.prompts import check_rows
+from lightning_rl.data.rows import check_rows
 from lightning_rl.models.loading import build_char_tokenizer, tiny_llama_config
 from lightning_rl.models.policy import Policy
 from lightning_rl.step.rewards import RewardPipeline, RewardScorer

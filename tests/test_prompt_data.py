@@ -9,7 +9,8 @@ import datasets
 import pytest
 
 from lightning_rl.data import PromptDataModule
-from lightning_rl.data.prompts import PromptStream, check_rows, collate
+from lightning_rl.data.prompts import PromptStream, collate
+from lightning_rl.data.rows import check_rows
 
 ROWS = [{"question": f"{i}{i + 1}{i + 2}=", "solution": f"q{i}", "difficulty": i % 3} for i in range(10)]
 

@@ -12,6 +12,7 @@ from typing import Literal, Optional
 
 import pytest
 
+from lightning_rl.episodes.tool_schemas import tool_schema
 from lightning_rl.episodes.tools import (
     HermesFormat,
     PlainFormat,
@@ -23,7 +24,6 @@ from lightning_rl.episodes.tools import (
     execute,
     load_tools,
     tool_format,
-    tool_schema,
 )
 from lightning_rl.models.loading import build_char_tokenizer
 from lightning_rl.text.prompts import render_prompts

@@ -38,8 +38,6 @@ from lightning_rl.models.sharding import (
 from lightning_rl.step.engine import HFEngine, RolloutEngine
 from lightning_rl.step.rewards import import_reward
 from lightning_rl.step.rng import collect_rng_states, restore_rng_states
-from lightning_rl.text.prompts import batch_columns as batch_columns  # still importable from here
-from lightning_rl.text.prompts import real_rows as real_rows
 from lightning_rl.text.prompts import render_prompts
 
 
@@ -185,7 +183,7 @@ class PolicyModule(EvaluationSteps, L.LightningModule):
     def check_prompt_lengths(self) -> None:
         """Fail before the first step if any train / val prompt exceeds ``max_prompt_length``, naming
         the file line (or row index) of the first one."""
-        from lightning_rl.data.prompts import row_locator
+        from lightning_rl.data.rows import row_locator
 
         dm = getattr(self.trainer, "datamodule", None)
         sources = {"train": getattr(dm, "path", None), "val": getattr(dm, "val_path", None)}

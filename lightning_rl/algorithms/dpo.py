@@ -26,11 +26,12 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_rl.algorithms.base import PolicyModule, batch_columns, real_rows
+from lightning_rl.algorithms.base import PolicyModule
 from lightning_rl.maths.aggregation import aggregate
 from lightning_rl.maths.preference_losses import DPO_LOSS_TYPES, DPOLossType, dpo_loss
 from lightning_rl.models.sharding import prompt_sharing
 from lightning_rl.text.pairs import EncodedPairs, encode_pairs
+from lightning_rl.text.prompts import batch_columns, real_rows
 
 REFERENCE = "reference"
 

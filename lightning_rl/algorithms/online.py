@@ -18,7 +18,8 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_rl.algorithms.base import Completions, PolicyModule
+from lightning_rl.algorithms.base import PolicyModule
+from lightning_rl.algorithms.evaluation import Completions
 from lightning_rl.algorithms.stepping import ManualSteps
 from lightning_rl.episodes.environments import Environment, EpisodeBatch, episode_runner
 from lightning_rl.episodes.tools import HermesFormat

@@ -16,11 +16,12 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from lightning_rl.algorithms.base import PolicyModule, has_callback, real_rows
+from lightning_rl.algorithms.base import PolicyModule, has_callback
 from lightning_rl.maths.preference_losses import reward_model_loss
 from lightning_rl.models.reward_model import load_reward_network, pair_texts
 from lightning_rl.models.scoring import disable_dropout as zero_dropout
 from lightning_rl.models.scoring import enable_gradient_checkpointing
+from lightning_rl.text.prompts import real_rows
 
 
 class ExportRewardModel(L.Callback):

@@ -1,5 +1,5 @@
 """Tool schemas: the OpenAI/HF function form that chat templates render, built from a Python function's
-signature and Google docstring (:func:`tool_schema`). Re-exported by :mod:`lightning_rl.episodes.tools`.
+signature and Google docstring (:func:`tool_schema`). Used by :mod:`lightning_rl.episodes.tools`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A tool is named in YAML by import path (``model.tools: [package.module:function]``); its schema (the
 OpenAI/HF function form that chat templates render) is built from its signature and Google docstring
-(:mod:`lightning_rl.episodes.tool_schemas`, re-exported here).
+(:mod:`lightning_rl.episodes.tool_schemas`).
 A tool format finds the calls in a model turn (``parse``) and renders their results as the text the
 model continues from (``render_results``): ``PlainFormat`` for models without a chat template
 (``<tool>NAME(ARGS)</tool>`` then ``<result>CONTENT</result>``), ``HermesFormat`` for Qwen/Hermes chat
@@ -22,11 +22,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# schemas from signatures and docstrings live in their own module; re-exported here under the same names
-from lightning_rl.episodes.tool_schemas import ARG_ENTRY as ARG_ENTRY
-from lightning_rl.episodes.tool_schemas import JSON_TYPES as JSON_TYPES
-from lightning_rl.episodes.tool_schemas import json_type as json_type
-from lightning_rl.episodes.tool_schemas import parse_docstring as parse_docstring
 from lightning_rl.episodes.tool_schemas import tool_schema
 
 SENTINEL = "LRL_TOOL_SENTINEL_7f3a"  # stands for the model's turn when rendering results through a template
