@@ -110,10 +110,22 @@ def test_import_reward_forms():
     ("justaname", "must look like `package.module:function`"),
     (":fn", "must look like"),
     ("module:", "must look like"),
+    # a path from before the core was layered names where its module went
+    ("lightning_rl.rewards:exact_match", r"No module named 'lightning_rl.rewards' \(it moved to "
+                                         r"`lightning_rl.step.rewards`\)$"),
 ])
 def test_import_reward_errors(path, match):
     with pytest.raises(ValueError, match=match):
         import_reward(path)
+
+
+def test_moved_hint_names_the_layer_only_for_modules_of_the_flat_layout():
+    from lightning_rl import moved_hint
+
+    assert moved_hint("lightning_rl.tools") == " (it moved to `lightning_rl.episodes.tools`)"
+    assert moved_hint("lightning_rl.strategies") == " (it moved to `lightning_rl.models.strategies`)"
+    assert moved_hint("lightning_rl.nope") == moved_hint("mypkg.rewards") == ""
+    assert moved_hint("lightning_rl.step.rewards") == ""  # already the new path
 
 
 # --------------------------------------------------------------------------------------------- scorer

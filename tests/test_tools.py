@@ -170,6 +170,7 @@ def test_load_tools_by_colon_or_dot_path():
     ("calculator", "must look like `package.module:function`"),
     ("lightning_rl.episodes.tools:", "must look like `package.module:function`"),
     ("no_such_module_xyz:f", "cannot import module `no_such_module_xyz`"),
+    ("lightning_rl.calculator:calculator", r"\(it moved to `lightning_rl.episodes.calculator`\)"),
     ("lightning_rl.episodes.tools:nope", "module `lightning_rl.episodes.tools` has no attribute `nope`"),
     ("lightning_rl.text.keys:VAL_WEIGHT_KEY", "is not callable"),
     ("os.path:join", r"tool `join` takes `\*"),

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_rl import moved_hint
 from lightning_rl.episodes.tool_schemas import tool_schema
 
 SENTINEL = "LRL_TOOL_SENTINEL_7f3a"  # stands for the model's turn when rendering results through a template
@@ -84,7 +85,8 @@ def load_tools(paths: list[str]) -> list[Tool]:
         try:
             module = importlib.import_module(module_name)
         except ImportError as err:
-            raise ValueError(f"{where}: cannot import module `{module_name}`: {err}") from err
+            raise ValueError(f"{where}: cannot import module `{module_name}`: {err}{moved_hint(module_name)}"
+                             ) from err
         if not hasattr(module, attr):
             raise ValueError(f"{where}: module `{module_name}` has no attribute `{attr}`")
         obj = getattr(module, attr)

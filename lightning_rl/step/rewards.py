@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_rl import moved_hint
+
 RewardFn = Callable[..., Sequence[float]]
 log = logging.getLogger(__name__)
 
@@ -30,7 +32,7 @@ def import_reward(path: str) -> RewardFn:
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
-        raise ValueError(f"cannot import reward function `{path}`: {err}") from err
+        raise ValueError(f"cannot import reward function `{path}`: {err}{moved_hint(module_name)}") from err
     if not callable(fn):
         raise ValueError(f"reward function `{path}` is not callable")
     return fn
