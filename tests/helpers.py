@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import csv
 import glob
-import os
-import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 
 import lightning as L
-import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -105,23 +101,3 @@ def read_csv_metrics(log_dir) -> dict[str, list[float]]:
                 if v not in ("", None) and k not in ("epoch", "step"):
                     out.setdefault(k, []).append(float(v))
     return out
-
-
-def launch(
-    script: Path, *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: int = 240
-) -> None:
-    """Run ``python script args...`` (a multi-process test under gloo) and fail on a non-zero exit.
-
-    The run has its own session and is killed as a group after ``timeout`` seconds: a hung gloo rank
-    ignores SIGTERM, so a hang becomes a test failure instead of a stuck suite.
-    """
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.Popen([sys.executable, str(script), *map(str, args)], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.communicate()
-        pytest.fail(f"{Path(script).name} {' '.join(map(str, args))} hung (killed after {timeout}s)")
-    assert proc.returncode == 0, log.decode()[-3000:]

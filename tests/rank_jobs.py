@@ -105,6 +105,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_ranks(argv: list[str], logs: list[Path], env: dict[str, str] | None = None
+                ) -> list[subprocess.Popen]:
+    """``argv`` once per rank (``len(logs)`` gloo ranks), all started at once with the ranks' environment set
+    (as torchrun or SLURM set it; Lightning then starts no process of its own), each in its own session,
+    writing to its log."""
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+            "WORLD_SIZE": str(len(logs)), "NODE_RANK": "0", **(env or {})}
+    procs = []
+    for rank, log in enumerate(logs):
+        with open(log, "wb") as f:
+            procs.append(subprocess.Popen(argv, cwd=HERE.parent, env={**base, "RANK": str(rank),
+                                                                       "LOCAL_RANK": str(rank)},
+                                          stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
+    return procs
+
+
+def kill(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL every process group still running (a hung gloo rank ignores SIGTERM)."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+
+
 def launch_ranks(names: list[str], folder: Path, world: int = 2) -> None:
     """Run the jobs ``names`` (in ``JOBS`` order) on ``world`` gloo ranks started at once, each in its own
     session; kill every rank when one job runs past ``JOB_TIMEOUT`` (a hung gloo rank ignores SIGTERM)."""
@@ -117,24 +140,15 @@ def launch_ranks(names: list[str], folder: Path, world: int = 2) -> None:
         jobs.append({"name": folder_name(name), "steps": [expand(s, out) for s in JOBS[name]]})
     spec = folder / "jobs.json"
     spec.write_text(json.dumps(jobs, indent=1))
-    base = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-            "WORLD_SIZE": str(world), "NODE_RANK": "0"}
-    procs = []
-    for rank in range(world):
-        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        with open(folder / f"rank{rank}.log", "wb") as log:
-            argv = [sys.executable, str(HERE / "ranks.py"), str(spec)]
-            procs.append(subprocess.Popen(argv, cwd=HERE.parent, env=env, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
+    procs = start_ranks([sys.executable, str(HERE / "ranks.py"), str(spec)],
+                        [folder / f"rank{r}.log" for r in range(world)])
     while any(p.poll() is None for p in procs):
         running = [j["name"] for j in jobs if (folder / f"{j['name']}.started").exists()
                    and not (folder / f"{j['name']}.done").exists()]
         started = (folder / f"{running[-1]}.started") if running else spec
         if time.time() - started.stat().st_mtime > JOB_TIMEOUT:
             (folder / "hung").write_text(running[-1] if running else "(start)")
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, 9)
+            kill(procs)
         time.sleep(0.2)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import scalars
+from rank_jobs import free_port
 from safetensors.torch import load_file
 
 from lightning_rl.models.loading import EMBEDDED_MODEL
@@ -29,12 +29,6 @@ SCRIPT = Path(__file__).with_name("multinode_fit.py")
 TIMEOUT = 240
 COMPARED = ["rollout/reward_mean", "rollout/response_length_mean", "policy/loss", "policy/grad_norm",
             "policy/kl_ref", "policy/entropy", "policy/clip_frac"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(commands: list[tuple[list[str], dict]], cwd: Path) -> None:

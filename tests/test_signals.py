@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from helpers import ROOT, scalars
-from rank_jobs import free_port
+from rank_jobs import kill, start_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -53,23 +53,13 @@ def run_ranks(out: Path, strategy: str, steps: int, *overrides: str, timeout: in
     """``signals_fit.py`` on both ranks started at once (the ranks' environment set, as torchrun or SLURM
     do: their start-up overlaps), each in its own session, killed after ``timeout``; the worst exit status
     and rank 0's output followed by rank 1's."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LRL_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "NODE_RANK": "0"}
-    env.pop("SIGNAL", None), env.pop("FAIL", None)
     argv = [sys.executable, str(SCRIPT), str(out), strategy, str(steps), *overrides]
     logs = [out.parent / f"{out.name}.rank{r}.log" for r in range(2)]
-    procs = []
-    for rank, log in enumerate(logs):
-        with open(log, "wb") as f:
-            ranked = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            procs.append(subprocess.Popen(argv, cwd=ROOT, env=ranked, stdout=f, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+    procs = start_ranks(argv, logs, env={"LRL_NUM_THREADS": "1", "SIGNAL": "", "FAIL": ""})
     try:
         codes = [p.wait(timeout=timeout) for p in procs]
     except subprocess.TimeoutExpired:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+        kill(procs)
         pytest.fail(f"signals_fit.py {strategy} {steps} {overrides} hung (killed after {timeout}s)")
     return max(codes, key=abs), "".join(log.read_text(errors="replace") for log in logs)
 
