@@ -49,7 +49,7 @@ def _cli(subcommand: str, name: str, out: Path) -> float:
     cmd = [sys.executable, "-m", "lightning_rl.cli.main", subcommand, *_configs(name),
            "--trainer.logger.init_args.save_dir", str(out), "--trainer.enable_progress_bar", "false"]
     if name == "ppo_rm":
-        cmd += ["--model.init_args.reward_model", str(EXPORTS["reward_model"])]
+        cmd += ["--model.init_args.rewards.model", str(EXPORTS["reward_model"])]
     start = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return time.perf_counter() - start

@@ -142,10 +142,12 @@ def grpo_overlay(args: argparse.Namespace, run: Path, train: Path, val: Path) ->
         "trainer": {"max_steps": args.steps, "val_check_interval": args.val_every,
                     "enable_checkpointing": False, "logger": loggers(run, "grpo")},
         "model": {"init_args": {
-            "model": str(tasks.C_MODEL), "chat_template": True, "max_prompt_length": 128,
-            "max_new_tokens": args.max_new_tokens, "num_generations": args.group,
-            "temperature": args.temperature, "kl_coef": args.kl_coef,
-            "reward_fns": ["lightning_rl.step.rewards:numeric_match"], "peft": peft,
+            "policy": {"model": str(tasks.C_MODEL), "chat_template": True, "max_prompt_length": 128,
+                       "peft": peft},
+            "sampling": {"max_new_tokens": args.max_new_tokens, "num_generations": args.group,
+                         "temperature": args.temperature},
+            "objective": {"kl_coef": args.kl_coef},
+            "rewards": {"functions": ["lightning_rl.step.rewards:numeric_match"]},
             "optimizer": {"class_path": "torch.optim.AdamW",
                           "init_args": {"lr": args.lr, "weight_decay": 0.0}},
         }},
@@ -207,8 +209,9 @@ def dpo_overlay(run: Path, name: str, steps: int, share: bool,
         "model": {"init_args": {"share_prompt_prefix": share}},
     }
     if pairs is not None:
-        overlay["model"]["init_args"].update(model=str(tasks.C_MODEL), chat_template=True,
-                                             max_prompt_length=128, max_completion_length=8)
+        overlay["model"]["init_args"].update(
+            policy={"model": str(tasks.C_MODEL), "chat_template": True, "max_prompt_length": 128},
+            max_completion_length=8)
         overlay["data"] = {"init_args": {"path": str(pairs["train"]), "val_path": str(pairs["val"]),
                                          "batch_size": pairs["batch_size"]}}
     return overlay
@@ -270,7 +273,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=36, help="GRPO steps")
     p.add_argument("--val-every", type=int, default=12, help="GRPO validation interval (steps)")
     p.add_argument("--prompts", type=int, default=8, help="GRPO prompts per step")
-    p.add_argument("--group", type=int, default=8, help="GRPO samples per prompt (num_generations)")
+    p.add_argument("--group", type=int, default=8, help="GRPO samples per prompt (sampling.num_generations)")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--temperature", type=float, default=0.7, help="GRPO sampling temperature")
     p.add_argument("--lr", type=float, default=2e-4, help="LoRA learning rate")

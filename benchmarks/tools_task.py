@@ -5,7 +5,8 @@
 
 Every row is the real CLI on the shipped configs (greedy ``val/accuracy``, exact match of the final answer):
 
-* ``builtin:tiny-tools`` without tools: ``configs/grpo_tools.yaml`` with ``model.tools: null`` (one turn);
+* ``builtin:tiny-tools`` without tools: ``configs/grpo_tools.yaml`` with ``model.episodes.tools: null`` (one
+  turn);
 * with the calculator, before RL: ``lightning-rl validate --config configs/grpo_tools.yaml``;
 * after multi-turn GRPO: ``lightning-rl fit --config configs/grpo_tools.yaml`` (its last validation);
 * ``--ceiling``: the no-tool ceiling, the same SFT as ``builtin:tiny-tools`` on direct answers (``A*B=`` ->
@@ -48,8 +49,8 @@ def main() -> None:
     out = opts.out or Path(tempfile.mkdtemp(prefix="tools_task_"))
     config = "configs/grpo_tools.yaml"
     rows = []
-    curve, seconds = run("validate", "--config", config, "--model.init_args.tools", "null",
-                         "--model.init_args.max_episode_tokens", "null",
+    curve, seconds = run("validate", "--config", config, "--model.init_args.episodes.tools", "null",
+                         "--model.init_args.episodes.max_episode_tokens", "null",
                          out=out / "no_tool")
     rows.append(("builtin:tiny-tools, no tool (one turn)", curve[-1][1], seconds))
     curve, seconds = run("validate", "--config", config, out=out / "tool")

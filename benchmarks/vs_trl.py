@@ -42,7 +42,7 @@ importance-weight correction; it then recomputes behaviour log-probs), TRL with 
 under ``torch.autocast("cpu", bfloat16)``; the held-out evaluation always runs the float32 weights. One
 optimiser step per rollout (so the ratio is 1 and, in float32, no runner computes old log-probs).
 Workload C's prompts go through the tokenizer's chat template in every runner (lightning-rl
-``model.chat_template``, TRL conversational prompts, the bare loop ``apply_chat_template``).
+``model.policy.chat_template``, TRL conversational prompts, the bare loop ``apply_chat_template``).
 
 Measured per run: step times as wall time between the ends of consecutive optimiser steps (a callback for
 lightning-rl and TRL, the loop itself for the bare runner), the first step a warm-up left out; s/step is the
@@ -427,10 +427,11 @@ def run_ours(spec: dict[str, Any], tasks: Any, runner: str) -> dict[str, Any]:
 
     logdir = tempfile.mkdtemp(prefix="ours-logs-", dir=spec["tmp"])
     total = spec["steps"] + spec["warmup"]
-    model_args = {
-        "max_new_tokens": spec["max_new_tokens"], "max_prompt_length": spec["max_prompt_length"],
-        "num_generations": spec["group"], "temperature": spec["temperature"], "kl_coef": spec["kl_coef"],
-        "reward_fns": [f"vs_trl_tasks:{spec['reward']}"],
+    model_args = {  # option-group paths under model.init_args
+        "policy.max_prompt_length": spec["max_prompt_length"],
+        "sampling.max_new_tokens": spec["max_new_tokens"], "sampling.num_generations": spec["group"],
+        "sampling.temperature": spec["temperature"], "objective.kl_coef": spec["kl_coef"],
+        "rewards.functions": [f"vs_trl_tasks:{spec['reward']}"],
     }
     args = ["--config", str(ROOT / "configs" / "grpo.yaml"),
             *(["--config", str(ROOT / "configs" / "precision" / "bf16.yaml")]
@@ -444,10 +445,11 @@ def run_ours(spec: dict[str, Any], tasks: Any, runner: str) -> dict[str, Any]:
             "--model.init_args.optimizer.init_args.lr", str(spec["lr"]),
             "--data.init_args.batch_size", str(spec["prompts"])]
     if spec["workload"] == "B":
-        model_args.update(model=spec["model_path"], accuracy_fn="vs_trl_tasks:repeat_correct")
+        model_args.update({"policy.model": spec["model_path"],
+                           "rewards.accuracy_fn": "vs_trl_tasks:repeat_correct"})
         args += ["--data.init_args.path", spec["train"]]
     elif spec["workload"] == "C":
-        model_args.update(model=spec["model_path"], chat_template=True)
+        model_args.update({"policy.model": spec["model_path"], "policy.chat_template": True})
         args += ["--data.init_args.path", spec["train"]]
     for key, value in model_args.items():
         args += [f"--model.init_args.{key}", json.dumps(value) if not isinstance(value, str) else value]

@@ -1,7 +1,8 @@
 """Workloads, rewards and held-out evaluation shared by every runner of ``benchmarks/vs_trl.py``.
 
-Importable as ``vs_trl_tasks`` (``benchmarks/`` on ``sys.path``) by lightning-rl (``model.reward_fns``),
-TRL (``reward_funcs``) and the bare loop, so all three call the very same reward code.
+Importable as ``vs_trl_tasks`` (``benchmarks/`` on ``sys.path``) by lightning-rl
+(``model.rewards.functions``), TRL (``reward_funcs``) and the bare loop, so all three call the very same
+reward code.
 
 Workload A: the built-in sort task exactly as ``configs/grpo.yaml`` runs it (the embedded tiny model,
 16 prompts x 8 samples, 8 new tokens).
@@ -140,7 +141,7 @@ def repeat_reward(
 def repeat_correct(
     completions: Sequence[str], word: Sequence[str], count: Sequence[Any], **_: Any
 ) -> list[float]:
-    """Exact correctness for workload B (lightning-rl's ``accuracy_fn``): the word exactly K times."""
+    """Exact correctness for workload B (lightning-rl's ``rewards.accuracy_fn``): the word exactly K times."""
     return [float(c.split() == [w] * int(k)) for c, w, k in zip(completions, word, count, strict=True)]
 
 
@@ -534,7 +535,8 @@ def build_workload_c(force: bool = False, log: Any = print) -> dict[str, Any]:
 
 # ---- shared helpers: encoding, generation config, completion masks, held-out evaluation -----------------
 def render(tokenizer: Any, prompts: Sequence[str]) -> list[str]:
-    """Plain prompts as one user turn through the tokenizer's chat template (``model.chat_template``)."""
+    """Plain prompts as one user turn through the tokenizer's chat template
+    (``model.policy.chat_template``)."""
     return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                           add_generation_prompt=True) for p in prompts]
 

@@ -15,10 +15,10 @@ class ExportPolicy(L.Callback):
     """Save the policy and tokenizer with ``save_pretrained`` at the end of ``fit``.
 
     The folder loads directly with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer``. A policy
-    with PEFT adapters (``model.peft``) writes the adapter folder (``adapter_config.json`` +
+    with PEFT adapters (``model.policy.peft``) writes the adapter folder (``adapter_config.json`` +
     ``adapter_model.safetensors`` + tokenizer: ``AutoPeftModelForCausalLM``, or ``PeftModel.from_pretrained``
-    on the base model), or with ``model.export_merged`` the merged weights as a plain folder. Under FSDP2
-    and ZeRO-3 every rank first gathers the full state dict (a collective), then rank 0 alone writes it:
+    on the base model), or with ``model.policy.export_merged`` the merged weights as a plain folder. Under
+    FSDP2 and ZeRO-3 every rank first gathers the full state dict (a collective), then rank 0 alone writes it:
     no rank waits on another inside ``save_pretrained``.
 
     Args:

@@ -11,13 +11,14 @@ from lightning.pytorch.utilities import rank_zero_warn
 ALLOW_ENV = "LRL_ALLOW_GEOMETRY_CHANGE"  # set to 1 to resume with another geometry anyway
 CHECKPOINT_KEY = "batch_geometry"
 # checkpoint key -> what the user sets
-NAMES = {"batch_size": "`data.batch_size`", "num_generations": "`model.num_generations`",
+NAMES = {"batch_size": "`data.batch_size`", "num_generations": "`model.sampling.num_generations`",
          "world_size": "the world size (`trainer.devices` x `trainer.num_nodes`)"}
 
 
 def batch_geometry(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, int]:
-    """Prompts per rank and step (``data.batch_size``), samples per prompt (``model.num_generations``, RL
-    modules) and the number of ranks: what a checkpoint's data position and per-rank states count in."""
+    """Prompts per rank and step (``data.batch_size``), samples per prompt
+    (``model.sampling.num_generations``, RL modules) and the number of ranks: what a checkpoint's data
+    position and per-rank states count in."""
     geometry = {}
     batch_size = getattr(getattr(trainer, "datamodule", None), "batch_size", None)
     if isinstance(batch_size, int):

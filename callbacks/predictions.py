@@ -44,7 +44,8 @@ class WritePredictions(BasePredictionWriter):
         num_generations: samples per prompt. ``1`` (with ``temperature`` unset) decodes greedily, as
             validation does; more are sampled.
         temperature: sampling temperature; ``None``: the module's own (online RL modules sample rollouts at
-            ``model.temperature``, with their ``top_p`` / ``top_k``), 1.0 for the others. ``0``: greedy.
+            ``model.sampling.temperature``, with their ``top_p`` / ``top_k``), 1.0 for the others. ``0``:
+            greedy.
     """
 
     def __init__(

@@ -10,10 +10,12 @@ Three pieces, each usable alone:
   ``lightning_rl.data.reasoning_gym.ReasoningGymDataModule``) makes rows ``{"prompt", "answer", "rg_task",
   "rg_seed", "rg_size", "rg_config", "rg_index"}``: the question, its reference answer, and what rebuilds
   the generator's entry (JSON-serialisable, no metadata).
-* :func:`reasoning_gym_score` (``model.reward_fns: [lightning_rl.data.reasoning_gym:reasoning_gym_score]``)
-  scores each completion with the task's ``score_answer`` against the rebuilt entry; and
-  :func:`reasoning_gym_correct` (score 1.0) for ``model.correctness_fn`` / ``model.accuracy_fn``.
-* :class:`ReasoningGymEnvironment` (``model.environment``): the same score as a single-turn episode.
+* :func:`reasoning_gym_score`
+  (``model.rewards.functions: [lightning_rl.data.reasoning_gym:reasoning_gym_score]``) scores each
+  completion with the task's ``score_answer`` against the rebuilt entry; and
+  :func:`reasoning_gym_correct` (score 1.0) for ``model.rewards.correctness_fn`` /
+  ``model.rewards.accuracy_fn``.
+* :class:`ReasoningGymEnvironment` (``model.episodes.environment``): the same score as a single-turn episode.
 
 The answer scored is the text of the last ``<answer>...</answer>`` in the completion when there is one
 (reasoning-gym's convention for models that think first), else the whole completion, stripped.
@@ -134,7 +136,7 @@ class ReasoningGymEnvironment(Environment):
     """A single-turn episode: the model answers the row's question once and gets the task's score.
 
     ``step`` returns ``StepResult(reward=score, done=True, info={"correct": score == 1.0})``. Use it with
-    ``model.reward_fns: []`` (else the reward functions' scores are added to the environment's).
+    ``model.rewards.functions: []`` (else the reward functions' scores are added to the environment's).
     """
 
     def __init__(self) -> None:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_rl.algorithms import DAPO, DPO
+from lightning_rl.algorithms.options import PolicyOptions, SamplingOptions
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.data import PromptDataModule
 from lightning_rl.data.preference import PreferenceDataModule
@@ -108,8 +109,8 @@ def main() -> None:
         path = f"{out}.pairs.jsonl"
         with open(path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-        module = LocalLossDPO(model="builtin:tiny-sort", max_prompt_length=16, max_completion_length=10,
-                              optimizer=partial(torch.optim.SGD, lr=0.1))
+        module = LocalLossDPO(policy=PolicyOptions(model="builtin:tiny-sort", max_prompt_length=16),
+                              max_completion_length=10, optimizer=partial(torch.optim.SGD, lr=0.1))
         assert module.reference is not None  # built from the loaded model, before the policy moves
         gen = torch.Generator().manual_seed(1)
         with torch.no_grad():  # away from the reference, so losses differ between pairs
@@ -118,10 +119,13 @@ def main() -> None:
         dm = PreferenceDataModule(path=path, batch_size=1, val_fraction=0.0)
     else:
         here = "ddp_collectives"
-        module = DAPO(model="builtin:tiny-sort", max_new_tokens=6, max_prompt_length=16,
-                      num_generations=4, max_gen_batches=3, correctness_fn=f"{here}:correctness",
-                      reward_fns=[f"{here}:reward"], temperature=1.0, engine=SyncedEngine(),
-                      optimizer=partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0))
+        module = DAPO.configured(
+            policy=PolicyOptions(model="builtin:tiny-sort", max_prompt_length=16),
+            sampling=SamplingOptions(max_new_tokens=6, num_generations=4, temperature=1.0),
+            engine=SyncedEngine(),
+            filters={"max_gen_batches": 3},
+            rewards={"correctness_fn": f"{here}:correctness", "functions": [f"{here}:reward"]},
+            optimizer=partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0))
         dm = PromptDataModule(batch_size=2, max_val_rows=4)
         if MODE == "partial":
             callbacks.append(L.pytorch.callbacks.ModelCheckpoint(

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_rl.algorithms import GRPO
+from lightning_rl.algorithms.options import PolicyOptions, SamplingOptions
 from lightning_rl.callbacks import WritePredictions
 from lightning_rl.data import PromptDataModule
 
@@ -25,7 +26,8 @@ from lightning_rl.data import PromptDataModule
 def main() -> None:
     torch.set_num_threads(1)
     prompts, out, devices = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    module = GRPO(model="builtin:tiny-sort", max_new_tokens=8, max_prompt_length=16, num_generations=2)
+    module = GRPO(policy=PolicyOptions(model="builtin:tiny-sort", max_prompt_length=16),
+                  sampling=SamplingOptions(max_new_tokens=8, num_generations=2))
     for name, n in (("greedy", 1), ("sampled", 2)):
         writer = WritePredictions(output=os.path.join(out, f"{name}.jsonl"), num_generations=n)
         trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_rl.algorithms import GRPO
+from lightning_rl.algorithms.options import PolicyOptions, SamplingOptions, UpdateOptions
 from lightning_rl.data import PromptDataModule
 from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.correction import RolloutCorrection
@@ -86,10 +87,12 @@ class Probe(GRPO):
 def main() -> None:
     torch.set_num_threads(1)
     out, devices, micro = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    module = Probe(model="builtin:tiny-sort", max_new_tokens=8, max_prompt_length=16, num_generations=4,
-                   micro_batch_size=None if micro == "none" else int(micro),
-                   clip_low=0.2, clip_high=0.28, kl_coef=0.1, max_grad_norm=None,
-                   optimizer=partial(torch.optim.SGD, lr=0.0))
+    module = Probe.configured(
+        policy=PolicyOptions(model="builtin:tiny-sort", max_prompt_length=16),
+        sampling=SamplingOptions(max_new_tokens=8, num_generations=4),
+        update=UpdateOptions(micro_batch_size=None if micro == "none" else int(micro), max_grad_norm=None),
+        objective={"clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.1},
+        optimizer=partial(torch.optim.SGD, lr=0.0))
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",
                         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False,

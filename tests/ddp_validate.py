@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_rl.algorithms import GRPO
+from lightning_rl.algorithms.options import PolicyOptions, SamplingOptions
 from lightning_rl.data import PromptDataModule
 
 
@@ -34,7 +35,8 @@ class Recorder(GRPO):
 def main() -> None:
     torch.set_num_threads(1)
     out, devices = sys.argv[1], int(sys.argv[2])
-    module = Recorder(model="builtin:tiny-sort", max_new_tokens=8, max_prompt_length=16, num_generations=2)
+    module = Recorder(policy=PolicyOptions(model="builtin:tiny-sort", max_prompt_length=16),
+                      sampling=SamplingOptions(max_new_tokens=8, num_generations=2))
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",
                         logger=False, enable_progress_bar=False, enable_model_summary=False)
     (metrics,) = trainer.validate(module, PromptDataModule(max_val_rows=5, val_batch_size=2), verbose=False)

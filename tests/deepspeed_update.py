@@ -56,10 +56,12 @@ class Probe(GRPO):
 def main() -> None:
     torch.set_num_threads(1)
     out, devices, stage, micro = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    module = Probe(model="builtin:tiny-sort", max_new_tokens=8, max_prompt_length=16, num_generations=4,
-                   micro_batch_size=None if micro == "none" else int(micro),
-                   clip_low=0.2, clip_high=0.28, kl_coef=0.1, max_grad_norm=0.05,
-                   optimizer=partial(torch.optim.SGD, lr=1.0))
+    module = Probe.configured(
+        policy={"model": "builtin:tiny-sort", "max_prompt_length": 16},
+        sampling={"max_new_tokens": 8, "num_generations": 4},
+        update={"micro_batch_size": None if micro == "none" else int(micro), "max_grad_norm": 0.05},
+        objective={"clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.1},
+        optimizer=partial(torch.optim.SGD, lr=1.0))
     strategy = CPUDeepSpeedStrategy(stage=stage) if devices > 1 else "auto"
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy,
                         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,

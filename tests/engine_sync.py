@@ -56,9 +56,10 @@ def main() -> None:
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=out,
                         callbacks=[compare])
-    module = GRPO(model="builtin:tiny-sort", max_new_tokens=8, max_prompt_length=16, num_generations=4,
-                  kl_coef=0.0, engine=CopyEngine("bfloat16"),
-                  optimizer=partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0))
+    module = GRPO.configured(
+        policy={"model": "builtin:tiny-sort", "max_prompt_length": 16},
+        sampling={"max_new_tokens": 8, "num_generations": 4}, engine=CopyEngine("bfloat16"),
+        objective={"kl_coef": 0.0}, optimizer=partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0))
     trainer.fit(module, PromptDataModule(batch_size=2))
     if trainer.global_rank == 0:
         with open(os.path.join(out, "result.json"), "w") as f:

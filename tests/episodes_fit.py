@@ -66,9 +66,11 @@ def main() -> None:
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=out, callbacks=[record], val_check_interval=2,
                         check_val_every_n_epoch=None, num_sanity_val_steps=1)
-    module = GRPO(model="builtin:tiny-sort", max_new_tokens=8, max_prompt_length=16, num_generations=2,
-                  environment=Uneven(), max_turns=3, micro_batch_size=3, kl_coef=0.1, fsdp_param_dtype=None,
-                  optimizer=partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.0))
+    module = GRPO.configured(
+        policy={"model": "builtin:tiny-sort", "max_prompt_length": 16, "fsdp_param_dtype": None},
+        sampling={"max_new_tokens": 8, "num_generations": 2},
+        episodes={"environment": Uneven(), "max_turns": 3}, update={"micro_batch_size": 3},
+        objective={"kl_coef": 0.1}, optimizer=partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.0))
     trainer.fit(module, PromptDataModule(batch_size=2, max_val_rows=3, val_batch_size=1))
     per_rank = [None, None]
     dist.all_gather_object(per_rank, record.turns)

@@ -14,7 +14,7 @@ MODE:
             rollouts, refills and micro-batch counts differ; validation and export as in ``grpo``.
     dpo     DPO (automatic optimisation, a whole frozen reference per rank) on 5 training pairs, 1 per rank
             per step; validation on 3 held-out pairs in batches of 1; export.
-    lora    ``grpo`` with LoRA adapters (``model.peft``): only they train, the KL reference is the same
+    lora    ``grpo`` with LoRA adapters (``model.policy.peft``): only they train, the KL reference is the same
             (sharded) weights with the adapters disabled; ``OUT_DIR/policy`` is the adapter folder, and the
             same export with ``export_merged`` writes ``OUT_DIR/merged``. Each rank also records its adapter
             weights when they are not sharded (DDP).
@@ -43,6 +43,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_rl.algorithms import DAPO, DPO, GRPO
+from lightning_rl.algorithms.options import PolicyOptions, ValidationOptions
 from lightning_rl.callbacks import ExportPolicy
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.data import PromptDataModule
@@ -114,14 +115,18 @@ def build(mode: str, out: str):
     if mode in ("dapo", "dapo_kl"):
         # dapo_kl: LoRA, a KL reference that runs the sharded weights with adapters off, and 2 minibatches
         # (behaviour log-probs): every scoring pass has a rank-dependent number of rows
-        extra = {} if mode == "dapo" else {
-            "kl_coef": 0.1, "num_minibatches": 2,
-            "peft": {"class_path": "peft.LoraConfig",
-                     "init_args": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}}}
-        module = DAPO(model="builtin:tiny-sort", max_new_tokens=6, max_prompt_length=16, num_generations=4,
-                      max_gen_batches=2, micro_batch_size=4, correctness_fn=f"{here}:correctness",
-                      reward_fns=[f"{here}:reward"], temperature=1.0, fsdp_param_dtype=None,
-                      optimizer=partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0), **extra)
+        policy = {"model": "builtin:tiny-sort", "max_prompt_length": 16, "fsdp_param_dtype": None}
+        update, objective = {"micro_batch_size": 4}, {}
+        if mode == "dapo_kl":
+            objective["kl_coef"], update["num_minibatches"] = 0.1, 2
+            policy["peft"] = {"class_path": "peft.LoraConfig",
+                              "init_args": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}}
+        # mappings change only these fields of DAPO's groups (its objective, filters and rewards stay on)
+        module = DAPO.configured(
+            policy=policy, sampling={"max_new_tokens": 6, "num_generations": 4, "temperature": 1.0},
+            filters={"max_gen_batches": 2}, update=update, objective=objective,
+            rewards={"correctness_fn": f"{here}:correctness", "functions": [f"{here}:reward"]},
+            optimizer=partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0))
         return module, PromptDataModule(batch_size=2, max_val_rows=3, val_batch_size=1)
     if mode == "dpo":
         rows = [{"prompt": f"{n}=", "chosen": "".join(sorted(str(n))), "rejected": str(n)[::-1] + "7",
@@ -131,17 +136,18 @@ def build(mode: str, out: str):
         with open(tmp, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         os.replace(tmp, path)
-        module = DPO(model="builtin:tiny-sort", max_prompt_length=16, max_completion_length=10,
-                     max_new_tokens=8, optimizer=partial(torch.optim.SGD, lr=0.1))
+        module = DPO(policy=PolicyOptions(model="builtin:tiny-sort", max_prompt_length=16),
+                     validation=ValidationOptions(max_new_tokens=8), max_completion_length=10,
+                     optimizer=partial(torch.optim.SGD, lr=0.1))
         return module, PreferenceDataModule(path=path, batch_size=1, val_batch_size=1, val_fraction=0.375)
-    lora = {}
+    policy, lora = {"model": "builtin:tiny-sort", "max_prompt_length": 16, "fsdp_param_dtype": None}, {}
     if mode == "lora":
-        lora = {"peft": {"class_path": "peft.LoraConfig", "init_args": {
-                    "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj", "down_proj"]}},
-                "optimizer": partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0)}
-    module = GRPO(model="builtin:tiny-sort", max_new_tokens=8, max_prompt_length=16, num_generations=4,
-                  micro_batch_size=4, kl_coef=0.1, max_grad_norm=0.5, temperature=1.0,
-                  fsdp_param_dtype=None, **lora)
+        policy["peft"] = {"class_path": "peft.LoraConfig", "init_args": {
+            "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj", "down_proj"]}}
+        lora = {"optimizer": partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0)}
+    module = GRPO.configured(
+        policy=policy, sampling={"max_new_tokens": 8, "num_generations": 4, "temperature": 1.0},
+        update={"micro_batch_size": 4, "max_grad_norm": 0.5}, objective={"kl_coef": 0.1}, **lora)
     return module, PromptDataModule(batch_size=2, max_val_rows=3, val_batch_size=1)
 
 

@@ -76,10 +76,12 @@ class Probe(GRPO):
 def main() -> None:
     torch.set_num_threads(1)
     out, devices, micro = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    module = Probe(model="builtin:tiny-sort", max_new_tokens=8, max_prompt_length=16, num_generations=4,
-                   micro_batch_size=None if micro == "none" else int(micro),
-                   clip_low=0.2, clip_high=0.28, kl_coef=0.1, max_grad_norm=0.05,
-                   optimizer=partial(torch.optim.SGD, lr=0.0))
+    module = Probe.configured(
+        policy={"model": "builtin:tiny-sort", "max_prompt_length": 16},
+        sampling={"max_new_tokens": 8, "num_generations": 4},
+        update={"micro_batch_size": None if micro == "none" else int(micro), "max_grad_norm": 0.05},
+        objective={"clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.1},
+        optimizer=partial(torch.optim.SGD, lr=0.0))
     strategy = "auto"
     if devices > 1:
         strategy = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)

@@ -71,11 +71,17 @@ def update(module, minibatch):
                                       Collectives(module.trainer)))
 
 
-def make(cls=GRPO, **kw):
-    """A tiny online RL module on the embedded model (8 new tokens, G = 4, AdamW lr 1e-3)."""
-    args = dict(model="builtin:tiny-sort", max_new_tokens=8, max_prompt_length=16, num_generations=4,
-                optimizer=partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.0)) | kw
-    return cls(**args)
+def make(cls=GRPO, **groups):
+    """A tiny online RL module on the embedded model (prompts <= 16 tokens, 8 new tokens, G = 4, AdamW lr
+    1e-3). Each group is given as a mapping of the fields to change (``sampling={"temperature": 0.5}``),
+    merged over these test defaults and then over the preset's defaults, as a YAML would be; a group given
+    as an options object replaces the preset's whole group."""
+    args = {"policy": {"max_prompt_length": 16}, "sampling": {"max_new_tokens": 8, "num_generations": 4},
+            "optimizer": partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.0)}
+    for name, value in groups.items():
+        base = args.get(name)
+        args[name] = base | value if isinstance(base, dict) and isinstance(value, dict) else value
+    return cls.configured(**args)
 
 
 def make_trainer(tmp_path, max_steps=1, callbacks=(), logger=False, limit_val_batches=0, **kw):

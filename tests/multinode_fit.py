@@ -26,7 +26,7 @@ SHORT = ["--trainer.max_steps", "2", "--trainer.limit_val_batches", "0",
          "--trainer.num_sanity_val_steps", "0",
          "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false",
          "--trainer.enable_model_summary", "false", "--data.init_args.batch_size", "4",
-         "--model.init_args.num_generations", "4"]
+         "--model.init_args.sampling.num_generations", "4"]
 
 
 def main() -> None:

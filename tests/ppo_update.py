@@ -53,12 +53,13 @@ def main() -> None:
     torch.set_num_threads(1)
     out, devices, strategy, micro = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     L.seed_everything(0, verbose=False)  # the critic's fresh head is drawn from the global RNG
-    module = Probe(model="builtin:tiny-sort", max_new_tokens=8, max_prompt_length=16, num_generations=4,
-                   micro_batch_size=None if micro == "none" else int(micro), kl_in_reward=False,
-                   kl_coef=0.1,
-                   kl_estimator="k3", value_clip=0.05, entropy_coef=0.01, max_grad_norm=None,
-                   optimizer=partial(torch.optim.SGD, lr=0.0),
-                   critic_optimizer=partial(torch.optim.SGD, lr=0.0))
+    module = Probe.configured(
+        policy={"model": "builtin:tiny-sort", "max_prompt_length": 16},
+        sampling={"max_new_tokens": 8, "num_generations": 4},
+        update={"micro_batch_size": None if micro == "none" else int(micro), "max_grad_norm": None},
+        objective={"kl_in_reward": False, "kl_coef": 0.1, "kl_estimator": "k3", "entropy_coef": 0.01},
+        critic={"value_clip": 0.05, "optimizer": partial(torch.optim.SGD, lr=0.0)},
+        optimizer=partial(torch.optim.SGD, lr=0.0))
     if strategy == "fsdp2":
         strategy = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=1, logger=False,

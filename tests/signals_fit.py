@@ -26,9 +26,9 @@ import torch.distributed as dist
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SHORT = ["--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
          "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-         "--data.init_args.batch_size", "2", "--model.init_args.num_generations", "2",
-         "--model.init_args.reward_fns", "[signals_fit:slow_reward]",
-         "--model.init_args.correctness_fn", "signals_fit:correct", "--trainer.devices", "2"]
+         "--data.init_args.batch_size", "2", "--model.init_args.sampling.num_generations", "2",
+         "--model.init_args.rewards.functions", "[signals_fit:slow_reward]",
+         "--model.init_args.rewards.correctness_fn", "signals_fit:correct", "--trainer.devices", "2"]
 _calls = 0
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import yaml
 from helpers import CONFIGS, ROOT, run_cli, scalars
 from lightning.pytorch import LightningDataModule
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lightning_rl.algorithms import PolicyModule
+from lightning_rl.algorithms.trained import TrainedModule
 from lightning_rl.cli.main import LightningRLCLI
 
 ALL_CONFIGS = sorted(CONFIGS.glob("*.yaml"))  # strategy overlays and examples: tests/test_overlays.py
@@ -29,23 +30,23 @@ def test_every_config_instantiates(config, tmp_path):
         from lightning_rl.models.reward_model import load_reward_network
 
         load_reward_network("builtin:tiny-sort").save_pretrained(str(tmp_path / "rm"))
-        args += ["--model.init_args.reward_model", tmp_path / "rm"]
+        args += ["--model.init_args.rewards.model", tmp_path / "rm"]
     cli = LightningRLCLI(args=[str(a) for a in args], run=False)
-    assert isinstance(cli.model, PolicyModule)
+    assert isinstance(cli.model, TrainedModule)
     assert isinstance(cli.datamodule, LightningDataModule)
     assert cli.trainer.max_steps > 0
 
 
 def test_misspelt_key_names_the_key(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        run_cli("fit", "--config", CONFIGS / "grpo.yaml", "--model.init_args.num_generatons", "4")
+        run_cli("fit", "--config", CONFIGS / "grpo.yaml", "--model.init_args.sampling.num_generatons", "4")
     err = capsys.readouterr().err
     assert "num_generatons" in err
 
 
 def test_invalid_value_names_the_key(tmp_path):
-    with pytest.raises(ValueError, match="model.num_generations"):
-        run_cli("fit", "--config", CONFIGS / "grpo.yaml", "--model.init_args.num_generations", "1",
+    with pytest.raises(ValueError, match="model.sampling.num_generations"):
+        run_cli("fit", "--config", CONFIGS / "grpo.yaml", "--model.init_args.sampling.num_generations", "1",
                 "--trainer.logger.init_args.save_dir", tmp_path)
 
 
@@ -58,10 +59,47 @@ def test_print_config(capsys):
     assert "kl_coef: 0.04" in out and "num_generations: 8" in out
 
 
+GROUPS = {"policy", "sampling", "rewards", "episodes", "objective", "advantage", "filters", "logprobs",
+          "update", "optimizer", "lr_scheduler"}
+
+
+def printed_model(capsys, *configs) -> dict:
+    """``model.init_args`` of ``lightning-rl fit --config ... --print_config``, parsed."""
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli("fit", *[a for c in configs for a in ("--config", c)], "--print_config")
+    assert exit_info.value.code in (0, None)
+    return yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]
+
+
+def test_print_config_shows_the_groups_with_the_presets_defaults(capsys):
+    """configs/dapo.yaml sets no `objective`: DAPO's own (clip-higher, token-mean) shows; GRPO's KL too."""
+    dapo = printed_model(capsys, CONFIGS / "dapo.yaml")
+    assert GROUPS <= set(dapo)
+    assert dapo["objective"]["clip_high"] == 0.28 and dapo["objective"]["clip_low"] == 0.2
+    assert dapo["objective"]["aggregation"] == "token-mean" and dapo["objective"]["kl_coef"] == 0.0
+    assert dapo["filters"]["dynamic_sampling"] is True
+    grpo = printed_model(capsys, CONFIGS / "grpo.yaml")
+    assert GROUPS <= set(grpo)
+    assert grpo["objective"]["kl_coef"] == 0.04 and grpo["objective"]["clip_high"] == 0.2
+    assert grpo["filters"]["dynamic_sampling"] is False
+
+
+def test_a_yaml_setting_one_field_of_a_group_keeps_the_presets_others(tmp_path, capsys):
+    overlay = tmp_path / "kl.yaml"
+    overlay.write_text("model:\n  init_args:\n    objective:\n      kl_coef: 0.01\n")
+    printed = printed_model(capsys, CONFIGS / "dapo.yaml", overlay)["objective"]
+    assert (printed["kl_coef"], printed["clip_high"], printed["aggregation"]) == (0.01, 0.28, "token-mean")
+    cli = LightningRLCLI(args=["--config", str(CONFIGS / "dapo.yaml"), "--config", str(overlay),
+                               "--trainer.logger.init_args.save_dir", str(tmp_path)], run=False)
+    objective = cli.model.objective
+    assert objective.kl_coef == 0.01 and cli.model.needs_reference
+    assert objective.clip_high == 0.28 and objective.clip_low == 0.2 and objective.aggregation == "token-mean"
+
+
 def test_omegaconf_interpolation(tmp_path):
     overlay = tmp_path / "interp.yaml"
-    overlay.write_text("model:\n  init_args:\n    max_new_tokens: 9\n"
-                       "    max_prompt_length: ${model.init_args.max_new_tokens}\n")
+    overlay.write_text("model:\n  init_args:\n    sampling:\n      max_new_tokens: 9\n"
+                       "    policy:\n      max_prompt_length: ${model.init_args.sampling.max_new_tokens}\n")
     cli = LightningRLCLI(args=["--config", str(CONFIGS / "grpo.yaml"), "--config", str(overlay),
                                "--trainer.logger.init_args.save_dir", str(tmp_path)], run=False)
     assert cli.model.max_prompt_length == 9

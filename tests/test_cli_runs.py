@@ -20,7 +20,7 @@ from lightning_rl.cli.main import ConfigError
 
 pytestmark = pytest.mark.slow
 
-TINY = ["--data.init_args.batch_size", "2", "--model.init_args.num_generations", "2",
+TINY = ["--data.init_args.batch_size", "2", "--model.init_args.sampling.num_generations", "2",
         "--data.init_args.max_val_rows", "8", "--data.init_args.val_batch_size", "8",
         "--trainer.num_sanity_val_steps", "0"]
 
@@ -139,10 +139,10 @@ def test_interrupted_run_saves_a_checkpoint_that_resumes(interrupted, name):
 # ---- 3-5. errors: our message is the last line, the exit status non-zero ----------------------------------
 def test_invalid_value_is_the_last_line_without_the_config_dump(tmp_path, capfd):
     code, out, err = cli_here(capfd, "fit", "--config", CONFIGS / "grpo.yaml",
-                              "--model.init_args.num_generations", "1", "--trainer.logger.init_args.save_dir",
-                              tmp_path)
+                              "--model.init_args.sampling.num_generations", "1",
+                              "--trainer.logger.init_args.save_dir", tmp_path)
     assert code != 0
-    assert "`model.num_generations` must be >= 2" in last_line(err)
+    assert "`model.sampling.num_generations` must be >= 2" in last_line(err)
     assert "Given value" not in out + err
 
 
@@ -183,7 +183,7 @@ def test_hparams_yaml_holds_the_resolved_config(tmp_path):
     fit(tmp_path, "--trainer.max_steps", "1", "--trainer.enable_checkpointing", "false")
     hparams = yaml.safe_load((tmp_path / "lightning-rl" / "version_0" / "hparams.yaml").read_text())
     assert hparams["model"]["class_path"] == "lightning_rl.algorithms.GRPO"
-    assert hparams["model"]["init_args"]["num_generations"] == 2
+    assert hparams["model"]["init_args"]["sampling"]["num_generations"] == 2
     assert hparams["trainer"]["max_steps"] == 1 and hparams["data"]["init_args"]["batch_size"] == 2
 
 

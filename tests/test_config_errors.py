@@ -18,35 +18,41 @@ from lightning_rl.cli.main import main
 
 GRPO = str(CONFIGS / "grpo.yaml")
 FILES = {
-    "typo.yaml": "model:\n  init_args:\n    num_generatoins: 4\n",
-    "wrongtype.yaml": "model:\n  init_args:\n    num_generations: four\n",
-    "literal.yaml": "model:\n  init_args:\n    aggregation: token_mean\n",
+    "typo.yaml": "model:\n  init_args:\n    sampling:\n      num_generatoins: 4\n",
+    "wrongtype.yaml": "model:\n  init_args:\n    sampling:\n      num_generations: four\n",
+    "literal.yaml": "model:\n  init_args:\n    objective:\n      aggregation: token_mean\n",
     "classpath.yaml": "model:\n  class_path: lightning_rl.algorithms.GRP0\n",
-    "syntax.yaml": "model:\n  init_args:\n    num_generations: 4\n   bad: [1, 2\n",
-    "interp.yaml": "model:\n  init_args:\n    max_new_tokens: ${model.init_args.nope}\n",
+    "syntax.yaml": "model:\n  init_args:\n    sampling:\n      num_generations: 4\n     bad: [1, 2\n",
+    "interp.yaml": "model:\n  init_args:\n    sampling:\n      max_new_tokens: ${model.init_args.nope}\n",
     "callbacks.yaml": ("trainer:\n  callbacks:\n    - class_path: lightning_rl.callbacks.LogSamples\n"
                        "      init_args:\n        num_sampels: 3\n"),
+    # flat keys from before the option groups
+    "old_flat.yaml": "model:\n  init_args:\n    temperature: 0.5\n",
+    "old_ppo.yaml": ("model:\n  init_args:\n    critic_optimizer:\n      class_path: torch.optim.AdamW\n"
+                     "      init_args:\n        lr: 5.0e-4\n"),
+    "old_dpo.yaml": "model:\n  init_args:\n    max_new_tokens: 8\n",
 }
+GROUPS = "takes its options in groups (see --print_config)"
 # each wrong input: the command line, and what its last line of stderr must contain
 CASES = {
-    "unknown_key_inline": (["fit", "--config", GRPO, "--model.init_args.num_generatoins", "4"],
-                           ["unknown key `model.init_args.num_generatoins`",
-                            "on the command line: --model.init_args.num_generatoins",
+    "unknown_key_inline": (["fit", "--config", GRPO, "--model.init_args.sampling.num_generatoins", "4"],
+                           ["unknown key `model.init_args.sampling.num_generatoins`",
+                            "on the command line: --model.init_args.sampling.num_generatoins",
                             "did you mean `num_generations`?"]),
     "unknown_key_yaml": (["fit", "--config", GRPO, "--config", "typo.yaml"],
-                         ["unknown key `model.init_args.num_generatoins`", "in typo.yaml, line 3",
+                         ["unknown key `model.init_args.sampling.num_generatoins`", "in typo.yaml, line 4",
                           "did you mean `num_generations`?"]),
     "unknown_key_callback": (["fit", "--config", GRPO, "--config", "callbacks.yaml"],
                              ["`trainer.callbacks.init_args.num_sampels`", "in callbacks.yaml, line 5",
                               "did you mean `num_samples`?"]),
     "wrong_type_yaml": (["fit", "--config", GRPO, "--config", "wrongtype.yaml"],
-                        ["`model.init_args.num_generations` = 'four'", "in wrongtype.yaml, line 3",
+                        ["`model.init_args.sampling.num_generations` = 'four'", "in wrongtype.yaml, line 4",
                          "expected an integer"]),
     "wrong_type_inline": (["fit", "--config", GRPO, "--data.init_args.batch_size", "lots"],
                           ["`data.init_args.batch_size` = 'lots'", "--data.init_args.batch_size",
                            "expected an integer"]),
     "literal_validate": (["validate", "--config", GRPO, "--config", "literal.yaml"],
-                         ["`model.init_args.aggregation` = 'token_mean'", "in literal.yaml, line 3",
+                         ["`model.init_args.objective.aggregation` = 'token_mean'", "in literal.yaml, line 4",
                           "'token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum'",
                           "did you mean 'token-mean'?"]),
     "class_path_yaml": (["fit", "--config", GRPO, "--config", "classpath.yaml"],
@@ -57,7 +63,7 @@ CASES = {
                            ["`data.class_path`", "on the command line: --data.class_path",
                             "did you mean `lightning_rl.data.PromptDataModule`?"]),
     "os_system_model": (["fit", "--config", GRPO, "--model.class_path", "os.system"],
-                        ["`model.class_path` = 'os.system'", "not a subclass of PolicyModule",
+                        ["`model.class_path` = 'os.system'", "not a subclass of TrainedModule",
                          "lightning_rl.algorithms.{"]),
     "popen_callback": (["fit", "--config", GRPO, "--trainer.callbacks+", "subprocess.Popen"],
                        ["`trainer.callbacks.class_path` = 'subprocess.Popen'", "not a subclass of Callback"]),
@@ -67,12 +73,28 @@ CASES = {
                             ["`model.init_args.optimizer.class_path` = 'os.system'",
                              "is a function, not a class"]),
     "yaml_syntax": (["fit", "--config", GRPO, "--config", "syntax.yaml"],
-                    ["syntax.yaml, line 4", "invalid YAML"]),
+                    ["syntax.yaml, line 5", "invalid YAML"]),
     "interpolation": (["fit", "--config", GRPO, "--config", "interp.yaml"],
-                      ["`model.init_args.max_new_tokens`", "in interp.yaml, line 3", "model.init_args.nope"]),
+                      ["`model.init_args.sampling.max_new_tokens`", "in interp.yaml, line 4",
+                       "model.init_args.nope"]),
     "unknown_flag": (["fit", "--config", GRPO, "--trainer.max_stepz", "3"],
                      ["--trainer.max_stepz", "did you mean --trainer.max_steps?"]),
     "subcommand": (["fitt", "--config", GRPO], ["'fitt'", "did you mean `fit`?"]),
+    # a flat key from before the option groups: where it is now
+    "moved_key_yaml": (["fit", "--config", GRPO, "--config", "old_flat.yaml"],
+                       ["`model.init_args.temperature` (in old_flat.yaml, line 3) is now "
+                        "`model.init_args.sampling.temperature`", f"lightning_rl.algorithms.GRPO {GROUPS}"]),
+    "moved_key_inline": (["fit", "--config", GRPO, "--model.init_args.temperature", "0.5"],
+                         ["`model.init_args.temperature` (on the command line: "
+                          "--model.init_args.temperature) is now `model.init_args.sampling.temperature`"]),
+    "moved_key_in_a_mapping": (["fit", "--config", str(CONFIGS / "ppo.yaml"), "--config", "old_ppo.yaml"],
+                               ["`model.init_args.critic_optimizer` (in old_ppo.yaml, line ",
+                                "is now `model.init_args.critic.optimizer`",
+                                f"lightning_rl.algorithms.PPO {GROUPS}"]),
+    "moved_key_dpo": (["fit", "--config", str(CONFIGS / "dpo.yaml"), "--config", "old_dpo.yaml"],
+                      ["`model.init_args.max_new_tokens` (in old_dpo.yaml, line 3) is now "
+                       "`model.init_args.validation.max_new_tokens`",
+                       f"lightning_rl.algorithms.DPO {GROUPS}"]),
 }
 
 
@@ -127,14 +149,27 @@ def test_last_line_names_the_problem(args, wanted, planted, capsys):
     assert "Given value" not in err and "usage:" not in err, err  # no dump (unless LRL_DEBUG=1)
 
 
+def test_old_flat_key_is_one_line_naming_its_new_key(planted, capsys):
+    """A YAML written for the flat keys stops before anything is built, on one line: the old key, the file
+    and line, the new key."""
+    with pytest.raises(SystemExit) as exit_:
+        run_cli("fit", "--config", GRPO, "--config", "old_flat.yaml")
+    last, err = last_error_line(capsys)
+    assert exit_.value.code == 2
+    assert last == ("lightning-rl: error: `model.init_args.temperature` (in old_flat.yaml, line 3) is now "
+                    f"`model.init_args.sampling.temperature`: lightning_rl.algorithms.GRPO {GROUPS}"), err
+    assert [line for line in err.splitlines() if "error" in line.lower()] == [last], err
+
+
 def test_debug_keeps_the_full_report_above_the_line(planted, capsys, monkeypatch):
     monkeypatch.setenv("LRL_DEBUG", "1")
     with pytest.raises(SystemExit) as exit_:
-        run_cli("fit", "--config", GRPO, "--model.init_args.num_generatoins", "4")
+        run_cli("fit", "--config", GRPO, "--model.init_args.sampling.num_generatoins", "4")
     last, err = last_error_line(capsys)
     assert exit_.value.code == 2
-    assert "usage:" in err and "Option 'num_generatoins' is not accepted" in err
-    assert last.startswith("lightning-rl: error: unknown key `model.init_args.num_generatoins`")
+    # jsonargparse's own report of a key its group does not accept
+    assert "usage:" in err and "unrecognized arguments: --sampling.num_generatoins=4" in err
+    assert last.startswith("lightning-rl: error: unknown key `model.init_args.sampling.num_generatoins`")
 
 
 def test_console_entry_point(planted, capsys, monkeypatch):
@@ -145,7 +180,7 @@ def test_console_entry_point(planted, capsys, monkeypatch):
         main(["fit", "--config", GRPO, "--config", "typo.yaml"])
     last, err = last_error_line(capsys)
     assert exit_.value.code == 2
-    assert "`model.init_args.num_generatoins` (in typo.yaml, line 3)" in last, err
+    assert "`model.init_args.sampling.num_generatoins` (in typo.yaml, line 4)" in last, err
     assert last.endswith("did you mean `num_generations`?")
 
 
@@ -173,12 +208,12 @@ LITERAL = message(
     "  Subtypes: [<class 'lightning_rl.algorithms.base.PolicyModule'>, <class 'NoneType'>]",
     "  Errors:",
     "    - Problem with given class_path 'lightning_rl.algorithms.GRPO':",
-    '        Parser key "aggregation":',
+    '        Parser key "objective.aggregation":',
     "          Expected a typing.Literal['token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum']."
     " Got value: token_mean",
     "    - Expected a <class 'NoneType'>",
     "  Given value type: <class 'dict'>",
-    "  Given value: {'init_args': {'aggregation': 'token_mean'}}",
+    "  Given value: {'init_args': {'objective': {'aggregation': 'token_mean'}}}",
 )
 UNION = message(
     'Parser key "model":',
@@ -186,7 +221,7 @@ UNION = message(
     "  Subtypes: [<class 'lightning_rl.algorithms.base.PolicyModule'>, <class 'NoneType'>]",
     "  Errors:",
     "    - Problem with given class_path 'lightning_rl.algorithms.GRPO':",
-    '        Parser key "overlong_buffer":',
+    '        Parser key "rewards.overlong_buffer":',
     "          Does not validate against any of the Union subtypes",
     "          Subtypes: [<class 'int'>, typing.Literal['auto'], <class 'NoneType'>]",
     "          Errors:",
@@ -197,7 +232,7 @@ UNION = message(
     "          Given value: autoo",
     "    - Expected a <class 'NoneType'>",
     "  Given value type: <class 'jsonargparse._util.NestedArg'>",
-    "  Given value: NestedArg(key='overlong_buffer', val='autoo')",
+    "  Given value: NestedArg(key='rewards.overlong_buffer', val='autoo')",
 )
 OPTIMIZER_OPTION = message(
     'Parser key "model":',
@@ -252,8 +287,8 @@ NOT_A_CALLBACK = message(
 
 @pytest.mark.parametrize("text, kind, key, value, cls", [
     (UNKNOWN, "unknown_key", "model.init_args.num_generatoins", None, "lightning_rl.algorithms.GRPO"),
-    (LITERAL, "type", "model.init_args.aggregation", "token_mean", None),
-    (UNION, "type", "model.init_args.overlong_buffer", "autoo", None),
+    (LITERAL, "type", "model.init_args.objective.aggregation", "token_mean", None),
+    (UNION, "type", "model.init_args.rewards.overlong_buffer", "autoo", None),
     (OPTIMIZER_OPTION, "unknown_key", "model.init_args.optimizer.init_args.lrr", None, "torch.optim.AdamW"),
     (NOT_A_MODULE, "class_path", "model.class_path", "os.system", None),
     (NO_CLASS, "class_path", "model.class_path", "lightning_rl.algorithms.GRP0", None),
@@ -278,8 +313,8 @@ def test_parse_message_types_and_bases():
 def test_summaries_without_a_source():
     """Messages alone (no file or flag sets the key): the problem and the suggestion, no location."""
     assert summarize(UNION, []) == (
-        "lightning-rl: error: `model.init_args.overlong_buffer` = 'autoo': expected 'auto' or an integer or "
-        "null; did you mean 'auto'?")
+        "lightning-rl: error: `model.init_args.rewards.overlong_buffer` = 'autoo': expected 'auto' or an "
+        "integer or null; did you mean 'auto'?")
     assert summarize(OPTIMIZER_OPTION, []).endswith("AdamW has no argument `lrr`; did you mean `lr`?")
     assert summarize(NO_CLASS, []).endswith("did you mean `lightning_rl.algorithms.GRPO`?")
     assert "expected one of lightning_rl.algorithms.{" in summarize(NOT_A_MODULE, [])
@@ -294,16 +329,17 @@ def test_locate_in_files_and_flags(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for name, text in FILES.items():
         (tmp_path / name).write_text(text)
-    (tmp_path / "flat.yaml").write_text("model:\n  num_generations: 2\n")  # init_args left out
-    assert yaml_line("typo.yaml", "model.init_args.num_generatoins") == 3
-    assert yaml_line("flat.yaml", "model.init_args.num_generations") == 2
+    (tmp_path / "flat.yaml").write_text("model:\n  sampling:\n    num_generations: 2\n")  # init_args left out
+    assert yaml_line("typo.yaml", "model.init_args.sampling.num_generatoins") == 4
+    assert yaml_line("flat.yaml", "model.init_args.sampling.num_generations") == 3
     assert yaml_line("callbacks.yaml", "trainer.callbacks.init_args.num_sampels") == 5  # in a list
-    assert yaml_line("wrongtype.yaml", "model.init_args.num_generations", "4") is None
+    assert yaml_line("wrongtype.yaml", "model.init_args.sampling.num_generations", "4") is None
     args = ["fit", "--config", GRPO, "--config", "wrongtype.yaml", "--model", "GRP0"]
     # the source that gives the value wins over a later one that sets the key
-    assert locate("model.init_args.num_generations", args, "four") == "in wrongtype.yaml, line 3"
-    assert locate("model.init_args.num_generations", args) == "in wrongtype.yaml, line 3"
+    assert locate("model.init_args.sampling.num_generations", args, "four") == "in wrongtype.yaml, line 4"
+    assert locate("model.init_args.sampling.num_generations", args) == "in wrongtype.yaml, line 4"
     # `--model X` gives model.class_path, not the file's
     assert locate("model.class_path", args, "GRP0") == "on the command line: --model"
-    assert locate("model.init_args.kl_coef", ["--model.kl_coef=x"], "x").endswith("line: --model.kl_coef")
+    assert locate("model.init_args.objective.kl_coef", ["--model.objective.kl_coef=x"], "x").endswith(
+        "line: --model.objective.kl_coef")
     assert locate("data.init_args.batch_size", ["fit"]) == ""

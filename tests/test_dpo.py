@@ -13,6 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from transformers import AutoModelForCausalLM
 
 from lightning_rl.algorithms import DPO
+from lightning_rl.algorithms.options import PolicyOptions
 from lightning_rl.cli.main import main
 from lightning_rl.data.preference import BUILTIN_TRAIN, BUILTIN_VAL
 from lightning_rl.models.loading import EMBEDDED_MODEL
@@ -32,10 +33,12 @@ METRICS = ["rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/ma
 pytestmark = pytest.mark.usefixtures("seeded_one_thread")
 
 
-def make_dpo(**kwargs) -> DPO:
+def make_dpo(policy: dict | None = None, **kwargs) -> DPO:
     """A DPO module whose reference is built now, from the loaded model (as ``setup`` builds it for
-    fit / validate), so that tests may move the policy away from it."""
-    dpo = DPO(model="builtin:tiny-sort", max_prompt_length=16, max_completion_length=10, **kwargs)
+    fit / validate), so that tests may move the policy away from it. ``policy``: more ``PolicyOptions``
+    fields; ``kwargs``: DPO's own keys, ``validation``, ``engine``, ``optimizer``."""
+    options = PolicyOptions(**{"model": "builtin:tiny-sort", "max_prompt_length": 16, **(policy or {})})
+    dpo = DPO(policy=options, max_completion_length=10, **kwargs)
     assert dpo.reference is not None
     return dpo
 
@@ -163,7 +166,7 @@ def test_only_fit_and_validate_build_the_reference(tmp_path):
                          enable_model_summary=False, limit_predict_batches=1, limit_val_batches=1,
                          default_root_dir=str(tmp_path))
 
-    dpo = DPO(model="builtin:tiny-sort", max_prompt_length=16, max_completion_length=10)
+    dpo = DPO(policy=PolicyOptions(model="builtin:tiny-sort", max_prompt_length=16), max_completion_length=10)
     weights = sum(p.numel() for p in dpo.policy.parameters())
     trainer().predict(dpo, datamodule=PromptDataModule(max_val_rows=2, val_batch_size=2))
     assert sum(p.numel() for p in dpo.parameters()) == weights

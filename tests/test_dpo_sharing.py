@@ -13,6 +13,7 @@ from test_dpo import PAIRS, as_batch, logps_by_hand, make_dpo, perturb
 
 import lightning_rl.models.sharding as sharding
 from lightning_rl.algorithms import DPO
+from lightning_rl.algorithms.options import PolicyOptions
 from lightning_rl.data.preference import BUILTIN_TRAIN, BUILTIN_VAL
 from lightning_rl.step.engine import CopyEngine
 
@@ -93,7 +94,8 @@ def test_each_distinct_prompt_runs_once_per_step():
 
 def test_prefix_sharing_is_off_where_the_online_step_turns_it_off(monkeypatch):
     assert not make_dpo(share_prompt_prefix=False).policy.share_prompts
-    checkpointed = make_dpo(gradient_checkpointing=True)  # the cache is off under gradient checkpointing
+    # the cache is off under gradient checkpointing
+    checkpointed = make_dpo(policy={"gradient_checkpointing": True})
     assert not checkpointed.policy.share_prompts and not checkpointed.reference.share_prompts
     dpo = make_dpo()
     assert dpo.policy.share_prompts and dpo.reference.share_prompts
@@ -104,7 +106,8 @@ def test_prefix_sharing_is_off_where_the_online_step_turns_it_off(monkeypatch):
 
 # ---- 2. completions scored up to and including their first EOS ---------------------------------------
 def test_completion_is_scored_up_to_its_first_eos_only():
-    dpo = DPO(model="builtin:tiny-sort", chat_template=True, max_prompt_length=32, max_completion_length=10)
+    dpo = DPO(policy=PolicyOptions(model="builtin:tiny-sort", chat_template=True, max_prompt_length=32),
+              max_completion_length=10)
     tok = dpo.tokenizer
     tok.chat_template = EOS_NEWLINE_TEMPLATE
     batch = as_batch(PAIRS)

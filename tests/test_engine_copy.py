@@ -37,7 +37,7 @@ class Record(RLCallback):
 
 def _fit(tmp_path, engine, steps=2, **kw):
     torch.manual_seed(0)
-    module = make(GRPO, engine=engine, kl_coef=0.0, **kw)
+    module = make(GRPO, engine=engine, objective={"kl_coef": 0.0}, **kw)
     record = Record()
     make_trainer(tmp_path, max_steps=steps, callbacks=[record]).fit(module, datamodule(batch_size=2))
     return module, record
@@ -100,8 +100,9 @@ def test_a_stale_engine_is_corrected(tmp_path):
 def test_gradient_with_the_correction_does_not_depend_on_micro_batch_size(tmp_path, level, mode):
     grads = {}
     for micro in (None, 3):
-        module = make(GRPO, kl_coef=0.0, micro_batch_size=micro, max_grad_norm=None,
-                      rollout_correction=RolloutCorrection(level, mode, cap=1.5),
+        module = make(GRPO, objective={"kl_coef": 0.0},
+                      update={"micro_batch_size": micro, "max_grad_norm": None},
+                      logprobs={"correction": RolloutCorrection(level, mode, cap=1.5)},
                       optimizer=partial(torch.optim.SGD, lr=0.0))
         make_trainer(tmp_path, max_steps=0).fit(module, datamodule(batch_size=2))
         module.policy.disable_dropout()
@@ -116,7 +117,7 @@ def test_gradient_with_the_correction_does_not_depend_on_micro_batch_size(tmp_pa
         rollout.old_logp = logprobs(module, rollout)
         rollout.rollout_logp = rollout.old_logp + 0.3 * torch.randn(rollout.old_logp.shape, generator=g) \
             * rollout.attention_mask
-        stats = module.correction(rollout)
+        rollout, stats = module.correction(rollout)
         assert rollout.is_weights is not None and stats["rollout/is_clipped_frac"] > 0
         update(module, rollout)
         grads[micro] = torch.cat([p.grad.flatten() for p in module.policy.parameters()])
@@ -125,7 +126,7 @@ def test_gradient_with_the_correction_does_not_depend_on_micro_batch_size(tmp_pa
 
 
 def test_correction_options_are_validated():
-    with pytest.raises(ValueError, match="rollout_correction"):
+    with pytest.raises(ValueError, match="model.logprobs.correction"):
         RolloutCorrection(cap=0.5)
     with pytest.raises(ValueError, match="engine.init_args.dtype"):
         CopyEngine("int8")

@@ -153,10 +153,11 @@ def test_budgets_truncate_and_never_pass_max_episode_tokens():
 
 
 def test_context_check_names_the_keys():
-    with pytest.raises(ValueError, match=r"model.max_prompt_length.*model.max_episode_tokens.*256"):
-        make(environment=Echo(), max_episode_tokens=250, max_prompt_length=16)
-    with pytest.raises(ValueError, match="model.max_episode_tokens` applies to episodes"):
-        make(max_episode_tokens=20)
+    with pytest.raises(ValueError,
+                       match=r"model.policy.max_prompt_length.*model.episodes.max_episode_tokens.*256"):
+        make(episodes={"environment": Echo(), "max_episode_tokens": 250}, policy={"max_prompt_length": 16})
+    with pytest.raises(ValueError, match="model.episodes.max_episode_tokens` applies to episodes"):
+        make(episodes={"max_episode_tokens": 20})
 
 
 def divide(a: int, b: int) -> str:
@@ -199,7 +200,7 @@ class Broken(Environment):
 
 def test_environment_errors_name_the_environment_and_episode_or_are_counted():
     with pytest.raises(EpisodeError, match=r"environment `Broken` raised KeyError in step of episode 0 "
-                                           r"\(prompt 'p'\).*model.on_env_error: zero"):
+                                           r"\(prompt 'p'\).*model.episodes.on_error: zero"):
         run(runner(Broken()), Scripted(["a"]), [{"prompt": "p"}])
     out = run(runner(Broken(), on_env_error="zero"), Scripted(["a"]), [{"prompt": "p"}])
     assert out.stats["rollout/env_errors"] == 2 and out.returns.tolist() == [0.0, 0.0]
@@ -208,8 +209,9 @@ def test_environment_errors_name_the_environment_and_episode_or_are_counted():
 def test_grpo_step_trains_on_episodes_with_observations_out_of_the_loss(tmp_path):
     """A real GRPO step on episodes: the loss mask equals the model tokens; observation tokens are context
     (their log-probs never reach the objective), rewards add the environment's return."""
-    module = make(environment=Echo(), max_turns=3, max_new_tokens=8, num_generations=2,
-                  reward_fns=["lightning_rl.step.rewards:exact_match"])
+    module = make(episodes={"environment": Echo(), "max_turns": 3},
+                  sampling={"max_new_tokens": 8, "num_generations": 2},
+                  rewards={"functions": ["lightning_rl.step.rewards:exact_match"]})
     batch = {"prompt": ["50318=", "92741="], "answer": ["01358", "12479"], "needed": [2, 1]}
     module.trainer = make_trainer(tmp_path)
     rollout, stats = module.sample(batch, None)
@@ -302,10 +304,12 @@ def test_algorithms_train_on_episodes(tmp_path, kind):
 
     from lightning_rl.algorithms import DAPO, PPO
 
-    cls, extra = {"dapo": (DAPO, {"max_gen_batches": 2}), "ppo": (PPO, {"num_generations": 1}),
-                  "lora": (GRPO, {"peft": LORA})}[kind]
+    cls, extra = {"dapo": (DAPO, {"filters": {"max_gen_batches": 2}}),
+                  "ppo": (PPO, {"sampling": {"num_generations": 1}}),
+                  "lora": (GRPO, {"policy": {"peft": LORA}})}[kind]
     env = Parity() if kind == "dapo" else Echo()
-    module = make(cls, environment=env, max_turns=2, max_new_tokens=8, **({"num_generations": 2} | extra))
+    sampling = {"max_new_tokens": 8, "num_generations": 2} | extra.pop("sampling", {})
+    module = make(cls, episodes={"environment": env, "max_turns": 2}, sampling=sampling, **extra)
     trained = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
     capture = Capture()
     make_trainer(tmp_path, callbacks=[capture]).fit(module, datamodule(batch_size=2))
@@ -328,8 +332,8 @@ def test_engine_log_probs_land_on_the_sampled_tokens_of_every_turn(tmp_path):
 
     from lightning_rl.step.engine import CopyEngine
 
-    module = make(engine=CopyEngine("float32"), environment=Echo(), max_turns=3, max_new_tokens=8,
-                  num_generations=2)
+    module = make(engine=CopyEngine("float32"), sampling={"max_new_tokens": 8, "num_generations": 2},
+                  episodes={"environment": Echo(), "max_turns": 3})
     module.trainer = make_trainer(tmp_path)
     batch = {"prompt": ["50318=", "92741="], "answer": ["01358", "12479"], "needed": [3, 2]}
     rollout, _ = module.sample(batch, None)

@@ -158,11 +158,12 @@ def test_fsdp1_strategy_is_refused_naming_the_overlay():
 
 def test_fsdp_dtypes_are_validated_naming_the_key():
     from lightning_rl.algorithms import GRPO
+    from lightning_rl.algorithms.options import PolicyOptions
 
-    with pytest.raises(ValueError, match="model.fsdp_param_dtype"):
-        GRPO(fsdp_param_dtype="fp8")
-    with pytest.raises(ValueError, match="model.fsdp_reduce_dtype"):
-        GRPO(fsdp_reduce_dtype="half")
+    with pytest.raises(ValueError, match="model.policy.fsdp_param_dtype"):
+        GRPO(policy=PolicyOptions(fsdp_param_dtype="fp8"))
+    with pytest.raises(ValueError, match="model.policy.fsdp_reduce_dtype"):
+        GRPO(policy=PolicyOptions(fsdp_reduce_dtype="half"))
 
 
 def test_decoder_layers_and_synced_generation_rule():

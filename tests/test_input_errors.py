@@ -29,7 +29,7 @@ from lightning_rl.step.rewards import RewardPipeline, RewardScorer
 
 HERE = Path(__file__).stem
 ROWS = [{"prompt": f"{i}{i + 1}=", "answer": f"{i}{i + 1}"} for i in range(1, 9)]
-TINY = ["--data.init_args.batch_size", "2", "--model.init_args.num_generations", "2",
+TINY = ["--data.init_args.batch_size", "2", "--model.init_args.sampling.num_generations", "2",
         "--data.init_args.val_batch_size", "8", "--data.init_args.max_val_rows", "8",
         "--trainer.num_sanity_val_steps", "0", "--trainer.max_steps", "1",
         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
@@ -123,8 +123,9 @@ def test_model_folder_without_tokenizer_files_names_the_folder(tmp_path):
     for f in folder.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")):
             f.unlink()
-    line = fails(tmp_path, "--model.init_args.model", folder)
-    assert f"`model.model`: {folder} has no tokenizer files (tokenizer.json / tokenizer_config.json" in line
+    line = fails(tmp_path, "--model.init_args.policy.model", folder)
+    assert (f"`model.policy.model`: {folder} has no tokenizer files (tokenizer.json / tokenizer_config.json"
+            in line)
     assert "tokenizer.save_pretrained" in line
 
 
@@ -134,15 +135,16 @@ def test_corrupt_safetensors_names_the_file(tmp_path, damage):
     weights = folder / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"not a safetensors file" * 20)
-    line = fails(tmp_path, "--model.init_args.model", folder)
-    assert f"`model.model`: {weights} is corrupt or truncated" in line
+    line = fails(tmp_path, "--model.init_args.policy.model", folder)
+    assert f"`model.policy.model`: {weights} is corrupt or truncated" in line
 
 
 def test_vocabulary_smaller_than_the_tokenizer_fails_at_load(tmp_path):
     # 60 rows cover every id the sort task uses (digits, '='), so this run used to train and exit 0
     folder = model_folder(tmp_path / "model", vocab_size=60)
-    line = fails(tmp_path, "--model.init_args.model", folder)
-    assert f"`model.model`: the model in {folder} has 60 embedding rows (`config.vocab_size`=60)" in line
+    line = fails(tmp_path, "--model.init_args.policy.model", folder)
+    assert (f"`model.policy.model`: the model in {folder} has 60 embedding rows (`config.vocab_size`=60)"
+            in line)
     assert "its tokenizer has 100 tokens" in line
 
 
@@ -154,9 +156,10 @@ def test_dynamic_sampling_without_answers_names_the_correctness_keys(tmp_path):
     data = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": r["prompt"]} for r in ROWS])
     line = fails(tmp_path, "--data.init_args.path", data, "--data.init_args.answer_column", "null",
                  "--trainer.limit_val_batches", "0", config="dapo.yaml")
-    assert line.startswith("lightning-rl: error: `model.init_args.reward_fns` (also what decides correctness "
-                           "(DAPO's filter")
-    assert "`model.init_args.correctness_fn` and `model.init_args.accuracy_fn` are unset" in line
+    assert line.startswith("lightning-rl: error: `model.init_args.rewards.functions` (also what decides "
+                           "correctness (DAPO's filter")
+    assert ("`model.init_args.rewards.correctness_fn` and `model.init_args.rewards.accuracy_fn` are unset"
+            in line)
     assert "`lightning_rl.step.rewards:exact_match` needs the data column `answer`" in line
     assert f"train rows of `data.path`={data} do not have (columns: prompt)" in line
     assert "set `data.init_args.answer_column` to the column holding the reference answers" in line
@@ -166,10 +169,10 @@ def test_dynamic_sampling_without_answers_names_the_correctness_keys(tmp_path):
 def test_a_correctness_fn_that_needs_missing_columns_names_its_key(tmp_path):
     data = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": r["prompt"]} for r in ROWS])
     line = fails(tmp_path, "--data.init_args.path", data, "--data.init_args.answer_column", "null",
-                 "--model.init_args.reward_fns", f"[{HERE}:length_reward]",
-                 "--model.init_args.correctness_fn", "lightning_rl.step.rewards:exact_match",
+                 "--model.init_args.rewards.functions", f"[{HERE}:length_reward]",
+                 "--model.init_args.rewards.correctness_fn", "lightning_rl.step.rewards:exact_match",
                  "--trainer.limit_val_batches", "0", config="dapo.yaml")
-    assert line.startswith("lightning-rl: error: `model.init_args.correctness_fn`: "
+    assert line.startswith("lightning-rl: error: `model.init_args.rewards.correctness_fn`: "
                            "`lightning_rl.step.rewards:exact_match` needs the data column `answer`")
     assert f"`data.path`={data}" in line and "`data.init_args.answer_column`" in line
 
@@ -188,8 +191,9 @@ def test_validation_rows_without_the_accuracy_columns_name_the_val_file(tmp_path
 # ---- warnings: lr 0, a slow reward function --------------------------------------------------------------
 @pytest.mark.slow
 def test_lr_zero_and_a_slow_reward_function_warn_once(tmp_path, recwarn):
-    main(fit_args(tmp_path, "--model.init_args.optimizer.init_args.lr", "0", "--model.init_args.reward_fns",
-                  f"[{HERE}:slow_reward]", "--trainer.limit_val_batches", "0", "--trainer.max_steps", "2"))
+    main(fit_args(tmp_path, "--model.init_args.optimizer.init_args.lr", "0",
+                  "--model.init_args.rewards.functions", f"[{HERE}:slow_reward]",
+                  "--trainer.limit_val_batches", "0", "--trainer.max_steps", "2"))
     messages = [str(w.message) for w in recwarn]
     lr = [m for m in messages if "`model.init_args.optimizer.init_args.lr` is 0: no weight will move" in m]
     slow = [m for m in messages if m.startswith("rewards took")]

@@ -17,6 +17,7 @@ import lightning as L
 import pytest
 
 from lightning_rl.algorithms import SFT
+from lightning_rl.algorithms.options import PolicyOptions
 from lightning_rl.data import PreferenceDataModule, PromptDataModule
 from lightning_rl.models.loading import build_char_tokenizer, load_policy, tiny_llama_config
 from lightning_rl.models.policy import Policy
@@ -94,21 +95,21 @@ def test_missing_model_folder_fails_at_once(value, tmp_path, monkeypatch, hub_do
     monkeypatch.chdir(tmp_path)
     value = str(tmp_path / "nope") if value == "ABS" else value
     message, seconds = timed_error(FileNotFoundError, load_policy, value)
-    assert message == f"`model.model`: model folder not found: {value}"
+    assert message == f"`model.policy.model`: model folder not found: {value}"
     assert seconds < 2
 
 
 def test_hub_form_of_a_missing_folder_fails_at_once_when_the_hub_is_down(tmp_path, monkeypatch, hub_down):
     monkeypatch.chdir(tmp_path)  # `nope_dir` does not exist: `nope_dir/sub` reads as a hub id
     message, seconds = timed_error(ConnectionError, load_policy, "nope_dir/sub")
-    assert "`model.model`: `nope_dir/sub` is not a local path" in message
+    assert "`model.policy.model`: `nope_dir/sub` is not a local path" in message
     assert "hub could not be reached" in message and "\n" not in message
     assert seconds < 2
 
 
 def test_hub_id_with_the_hub_down_fails_fast_saying_what_to_do(hub_down):
     message, seconds = timed_error(ConnectionError, load_policy, "lightning-rl-tests/no-such-model")
-    assert "`model.model`: `lightning-rl-tests/no-such-model` is not a local path" in message
+    assert "`model.policy.model`: `lightning-rl-tests/no-such-model` is not a local path" in message
     assert "could not be reached (http://127.0.0.1:9 did not answer" in message
     assert "local save_pretrained folder" in message and "\n" not in message
     assert seconds < 10
@@ -198,7 +199,7 @@ def test_sft_without_answer_column_fails_at_setup_naming_the_key(tmp_path):
     dm = PromptDataModule(path=write_jsonl(tmp_path / "p.jsonl", rows), answer_column=None, batch_size=2)
     trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
-    module = SFT(model="builtin:tiny-sort", max_completion_length=8)
+    module = SFT(policy=PolicyOptions(model="builtin:tiny-sort"), max_completion_length=8)
     with pytest.raises(ValueError, match=r"`data.answer_column` is null"):
         trainer.fit(module, datamodule=dm)
     assert trainer.global_step == 0

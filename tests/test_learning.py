@@ -16,9 +16,10 @@ from lightning_rl.data import PromptDataModule
 pytestmark = pytest.mark.learning
 
 # what every run shares: 16 prompts x 8 samples per rollout, AdamW lr 1e-4, all 256 held-out prompts
-COMMON = ["--seed_everything", "0", "--model.init_args.rollout_seed", "0",
-          "--model.init_args.num_generations", "8", "--model.init_args.max_new_tokens", "8",
-          "--model.init_args.temperature", "1.0", "--model.init_args.optimizer.init_args.lr", "1e-4",
+COMMON = ["--seed_everything", "0", "--model.init_args.sampling.seed", "0",
+          "--model.init_args.sampling.num_generations", "8", "--model.init_args.sampling.max_new_tokens", "8",
+          "--model.init_args.sampling.temperature", "1.0",
+          "--model.init_args.optimizer.init_args.lr", "1e-4",
           "--model.init_args.optimizer.init_args.weight_decay", "0",
           "--data.init_args.batch_size", "16", "--data.init_args.max_val_rows", "null",
           "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false",
@@ -44,8 +45,9 @@ def learn(tmp_path, config: str, *overrides: str) -> dict[str, list[float]]:
 def test_gspo_learns(tmp_path, warm_start):
     # 50 rollouts x 2 minibatches = 100 optimiser steps; validation after the 50th rollout (a trainer batch)
     logged = learn(tmp_path, "gspo.yaml", "--trainer.max_steps", "100", "--trainer.val_check_interval", "50",
-                   "--model.init_args.num_minibatches", "2", "--model.init_args.ppo_epochs", "1",
-                   "--model.init_args.clip_low", "3e-4", "--model.init_args.clip_high", "4e-4")
+                   "--model.init_args.update.num_minibatches", "2", "--model.init_args.update.epochs", "1",
+                   "--model.init_args.objective.clip_low", "3e-4",
+                   "--model.init_args.objective.clip_high", "4e-4")
     # measured: warm start 0.562 -> 0.707 (seed 0), 0.789 (seed 1)
     assert logged["val/accuracy"][-1] >= warm_start + 0.1, (warm_start, logged["val/accuracy"])
     # the second minibatch of each rollout is off-policy and the narrow sequence clip acts on it
@@ -54,9 +56,10 @@ def test_gspo_learns(tmp_path, warm_start):
 
 def test_dapo_learns(tmp_path, warm_start):
     logged = learn(tmp_path, "dapo.yaml", "--trainer.max_steps", "50", "--trainer.val_check_interval", "50",
-                   "--model.init_args.num_minibatches", "1", "--model.init_args.ppo_epochs", "1",
-                   "--model.init_args.dynamic_sampling", "true", "--model.init_args.max_gen_batches", "3",
-                   "--model.init_args.overlong_buffer", "2")
+                   "--model.init_args.update.num_minibatches", "1", "--model.init_args.update.epochs", "1",
+                   "--model.init_args.filters.dynamic_sampling", "true",
+                   "--model.init_args.filters.max_gen_batches", "3",
+                   "--model.init_args.rewards.overlong_buffer", "2")
     # measured: warm start 0.562 -> 0.773 (seed 0), 0.758 (seed 1)
     assert logged["val/accuracy"][-1] >= warm_start + 0.1, (warm_start, logged["val/accuracy"])
     # dynamic sampling was active: uniform groups were dropped and refills drawn
@@ -66,8 +69,9 @@ def test_dapo_learns(tmp_path, warm_start):
 def test_sapo_learns(tmp_path, warm_start):
     # two minibatches per rollout, so the soft gate weighs off-policy tokens (on-policy it is exactly 1)
     logged = learn(tmp_path, "sapo.yaml", "--trainer.max_steps", "100", "--trainer.val_check_interval", "50",
-                   "--model.init_args.num_minibatches", "2", "--model.init_args.ppo_epochs", "1",
-                   "--model.init_args.tau_pos", "1.0", "--model.init_args.tau_neg", "1.05",
+                   "--model.init_args.update.num_minibatches", "2", "--model.init_args.update.epochs", "1",
+                   "--model.init_args.objective.tau_pos", "1.0",
+                   "--model.init_args.objective.tau_neg", "1.05",
                    "--model.init_args.optimizer.init_args.lr", "1e-4",
                    "--model.init_args.lr_scheduler", "null")
     # measured: warm start 0.562 -> 0.762 (seed 0), 0.754 (seed 1)

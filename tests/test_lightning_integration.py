@@ -36,7 +36,8 @@ def sampled(module: GRPO, top_k: int, top_p: float):
 # ------------------------------------------------------------------------ top-k / top-p never gives NaN
 @pytest.mark.parametrize("ratio_level", ["token", "sequence"])
 def test_moved_policy_with_top_k_top_p_gives_finite_loss_kl_and_gradient(ratio_level):
-    module = make(GRPO, top_k=5, top_p=0.9, kl_coef=0.04, ratio_level=ratio_level)
+    module = make(GRPO, sampling={"top_k": 5, "top_p": 0.9},
+                  objective={"kl_coef": 0.04, "ratio_level": ratio_level})
     module.reference_policy()  # the policy as loaded (fit builds it in `setup`), before it moves
     perturb(module.policy.model)
     gen = sampled(module, top_k=5, top_p=0.9)
@@ -62,7 +63,8 @@ def test_moved_policy_with_top_k_top_p_gives_finite_loss_kl_and_gradient(ratio_l
 
 @pytest.mark.slow
 def test_grpo_run_with_top_k_top_p_logs_finite_loss_and_kl_every_step(tmp_path):
-    module = make(GRPO, top_k=5, top_p=0.9, kl_coef=0.04, optimizer=partial(torch.optim.AdamW, lr=3e-3))
+    module = make(GRPO, sampling={"top_k": 5, "top_p": 0.9}, objective={"kl_coef": 0.04},
+                  optimizer=partial(torch.optim.AdamW, lr=3e-3))
     trainer = make_trainer(tmp_path, max_steps=8, logger=CSVLogger(str(tmp_path)), log_every_n_steps=1)
     trainer.fit(module, datamodule())
     logged = read_csv_metrics(tmp_path)
@@ -108,7 +110,8 @@ class NormProbe(RLCallback):
 @pytest.mark.parametrize("max_grad_norm", [1e-3, None])
 def test_max_grad_norm_bounds_the_update(tmp_path, max_grad_norm):
     # Plain SGD with lr 1: the parameter change is exactly the (clipped) gradient.
-    module = make(GRPO, kl_coef=0.0, max_grad_norm=max_grad_norm, optimizer=partial(torch.optim.SGD, lr=1.0))
+    module = make(GRPO, objective={"kl_coef": 0.0}, update={"max_grad_norm": max_grad_norm},
+                  optimizer=partial(torch.optim.SGD, lr=1.0))
     before = [p.detach().clone() for p in module.policy.parameters()]
     probe = NormProbe()
     make_trainer(tmp_path, max_steps=1, callbacks=[probe]).fit(module, datamodule())
@@ -126,7 +129,8 @@ def test_clipping_sees_unscaled_gradients_under_16_mixed(tmp_path):
     # 16-mixed scales the loss by 2**16 before backward. Clipping before the precision plugin unscales
     # would cut the scaled gradient to 1e-3 and the step would then be 1e-3 / 65536; clipped in
     # on_before_optimizer_step, after unscaling, the SGD (lr 1) step is exactly the bound.
-    module = make(GRPO, kl_coef=0.0, max_grad_norm=1e-3, optimizer=partial(torch.optim.SGD, lr=1.0))
+    module = make(GRPO, objective={"kl_coef": 0.0}, update={"max_grad_norm": 1e-3},
+                  optimizer=partial(torch.optim.SGD, lr=1.0))
     before = [p.detach().clone() for p in module.policy.parameters()]
     probe = NormProbe()
     # Lightning gives CPU 16-mixed no scaler: pass one, as CUDA would have (initial scale 2**16)
@@ -141,7 +145,7 @@ def test_clipping_sees_unscaled_gradients_under_16_mixed(tmp_path):
 
 @pytest.mark.slow
 def test_grpo_runs_in_bf16_mixed_on_cpu(tmp_path):
-    module = make(GRPO, kl_coef=0.04)
+    module = make(GRPO, objective={"kl_coef": 0.04})
     before = [p.detach().clone() for p in module.policy.parameters()]
     probe = NormProbe()
     trainer = make_trainer(tmp_path, max_steps=2, precision="bf16-mixed", callbacks=[probe],
@@ -159,8 +163,9 @@ def test_grpo_runs_in_bf16_mixed_on_cpu(tmp_path):
 def test_gradient_checkpointing_gives_the_same_update(tmp_path):
     def one_step(checkpointing: bool) -> list[torch.Tensor]:
         # prompts are shared only without checkpointing (float rounding would differ): off in both
-        module = make(GRPO, kl_coef=0.04, gradient_checkpointing=checkpointing, max_grad_norm=None,
-                      share_prompt_prefix=False, optimizer=partial(torch.optim.SGD, lr=1.0))
+        module = make(GRPO, objective={"kl_coef": 0.04}, policy={"gradient_checkpointing": checkpointing},
+                      update={"max_grad_norm": None}, sampling={"share_prompt_prefix": False},
+                      optimizer=partial(torch.optim.SGD, lr=1.0))
         model = module.policy.model
         on = getattr(model, "is_activation_checkpointing", None)
         assert (model.is_gradient_checkpointing if on is None else on) == checkpointing

@@ -1,6 +1,6 @@
-"""LoRA from the config (``model.peft``): only the adapters train, the reference is the base with the adapters
-off, checkpoints hold the adapters and resume exactly, both export forms reload in plain transformers / peft,
-DPO and PPO train adapters too, DDP and FSDP2 on 2 ranks, and a clear error without the extra."""
+"""LoRA from the config (``model.policy.peft``): only the adapters train, the reference is the base with the
+adapters off, checkpoints hold the adapters and resume exactly, both export forms reload in plain transformers
+/ peft, DPO and PPO train adapters too, DDP and FSDP2 on 2 ranks, and a clear error without the extra."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from helpers import CONFIGS, make, make_trainer, run_cli, scalars
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_rl.algorithms import DPO, GRPO, PPO
+from lightning_rl.algorithms.options import PolicyOptions
 from lightning_rl.callbacks import ExportPolicy
 from lightning_rl.cli.main import ConfigError
 from lightning_rl.data import PromptDataModule
@@ -32,7 +33,7 @@ LORA = {"class_path": "peft.LoraConfig",
         "init_args": {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ALL_LINEAR}}
 IDS = torch.tensor([[5, 9, 12, 7, 8, 30, 17], [40, 41, 22, 5, 6, 70, 9]])
 # the shortest run of configs/grpo_lora.yaml: 4 prompts x 4 samples per step, 16 held-out prompts
-SMALL = ["--model.init_args.num_generations", "4", "--data.init_args.batch_size", "4",
+SMALL = ["--model.init_args.sampling.num_generations", "4", "--data.init_args.batch_size", "4",
          "--data.init_args.max_val_rows", "16", "--trainer.enable_progress_bar", "false"]
 
 
@@ -107,9 +108,12 @@ trainer:
       init_args: {{dirpath: "{ckpt}", save_last: true, every_n_train_steps: 2, save_top_k: -1}}
 model:
   init_args:
-    num_generations: 4
-    num_minibatches: 2
-    export_merged: {merged}
+    sampling:
+      num_generations: 4
+    update:
+      num_minibatches: 2
+    policy:
+      export_merged: {merged}
 data:
   init_args:
     batch_size: 2
@@ -156,8 +160,8 @@ def test_lora_run_resumes_exactly_and_exports_merged_weights(tmp_path, embedded)
 
 
 def test_reference_is_the_base_with_adapters_off_and_checkpointing_keeps_adapter_gradients(embedded):
-    module = make(peft=LORA, kl_coef=0.1, gradient_checkpointing=True)
-    plain = make(kl_coef=0.1)
+    module = make(policy={"peft": LORA, "gradient_checkpointing": True}, objective={"kl_coef": 0.1})
+    plain = make(objective={"kl_coef": 0.1})
     lora = sum(p.numel() for n, p in module.policy.named_parameters() if "lora_" in n)
     # no second copy: the module holds the base once plus the adapters (the plain module holds two copies)
     numel = lambda params: sum(p.numel() for p in params)  # noqa: E731
@@ -189,8 +193,9 @@ def test_dpo_with_lora_fits_and_exports_merged_weights(tmp_path, embedded):
             for n in (312, 9071, 57, 4410, 826, 73)]
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    module = DPO(model="builtin:tiny-sort", max_prompt_length=16, max_completion_length=10, peft=LORA,
-                 export_merged=True, optimizer=partial(torch.optim.AdamW, lr=1e-2))
+    module = DPO(policy=PolicyOptions(model="builtin:tiny-sort", max_prompt_length=16, peft=LORA,
+                                      export_merged=True),
+                 max_completion_length=10, optimizer=partial(torch.optim.AdamW, lr=1e-2))
     assert module.reference.shares_weights
     assert not any(k.startswith("reference.") for k in module.state_dict())
     trainer = make_trainer(tmp_path, max_steps=3, callbacks=[ExportPolicy(str(tmp_path / "policy"))],
@@ -205,7 +210,8 @@ def test_dpo_with_lora_fits_and_exports_merged_weights(tmp_path, embedded):
 
 @pytest.mark.slow
 def test_ppo_with_lora_trains_the_policy_adapters_and_a_full_critic(tmp_path, embedded):
-    module = make(PPO, num_generations=1, peft=LORA, critic_optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    module = make(PPO, sampling={"num_generations": 1}, policy={"peft": LORA},
+                  critic={"optimizer": partial(torch.optim.AdamW, lr=1e-3)})
     critic_start = {k: v.clone() for k, v in module.critic.model.model.state_dict().items()}
     # the critic's backbone starts from the base weights (no adapters in it)
     assert all(torch.equal(v, embedded[f"model.{k}"]) for k, v in critic_start.items())
@@ -221,20 +227,20 @@ def test_ppo_with_lora_trains_the_policy_adapters_and_a_full_critic(tmp_path, em
 
 def test_missing_peft_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` raises ImportError
-    with pytest.raises(ImportError, match=f"model.peft.*{re.escape(PEFT_EXTRA)}"):
-        GRPO(peft=LORA)
+    with pytest.raises(ImportError, match=f"model.policy.peft.*{re.escape(PEFT_EXTRA)}"):
+        GRPO(policy=PolicyOptions(peft=LORA))
     with pytest.raises(ConfigError, match=re.escape(PEFT_EXTRA)):
         run_cli("fit", "--config", CONFIGS / "grpo_lora.yaml", "--trainer.logger.init_args.save_dir",
                 tmp_path)
-    GRPO(peft=None)  # without adapters nothing needs peft
+    GRPO(policy=PolicyOptions(peft=None))  # without adapters nothing needs peft
 
 
 @pytest.mark.parametrize(
     "spec, match",
     [
-        ({"class_path": "peft.NoSuchConfig"}, "model.peft.class_path"),
+        ({"class_path": "peft.NoSuchConfig"}, "model.policy.peft.class_path"),
         ({"class_path": "torch.optim.AdamW"}, "not a peft.PeftConfig"),
-        ({"class_path": "peft.LoraConfig", "init_args": {"rank": 4}}, "model.peft.init_args"),
+        ({"class_path": "peft.LoraConfig", "init_args": {"rank": 4}}, "model.policy.peft.init_args"),
         ({"class_path": "peft.LoraConfig", "init_args": {"target_modules": ["qkv"]}}, "linear layers are"),
         ({"class_path": "peft.LoraConfig", "init_args": {"task_type": "SEQ_CLS"}}, "task_type"),
         ({"r": 4}, "class_path"),
@@ -242,17 +248,18 @@ def test_missing_peft_names_the_extra(monkeypatch, tmp_path):
 )
 def test_bad_peft_settings_name_the_key(spec, match):
     with pytest.raises(ValueError, match=match):
-        GRPO(peft=spec)
+        GRPO(policy=PolicyOptions(peft=spec))
 
 
 def test_lora_config_from_the_command_line_a_short_class_name_or_an_instance(tmp_path):
     from lightning_rl.cli.main import LightningRLCLI
 
-    args = ["--config", CONFIGS / "grpo_lora.yaml", "--model.init_args.peft.init_args.r", "2",
+    args = ["--config", CONFIGS / "grpo_lora.yaml", "--model.init_args.policy.peft.init_args.r", "2",
             "--trainer.logger.init_args.save_dir", tmp_path]
     cli = LightningRLCLI(args=[str(a) for a in args], run=False)
-    short = GRPO(peft={"class_path": "LoraConfig", "init_args": {"r": 2, "target_modules": ["q_proj"]}})
-    instance = GRPO(peft=peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    short = GRPO(policy=PolicyOptions(peft={"class_path": "LoraConfig",
+                                            "init_args": {"r": 2, "target_modules": ["q_proj"]}}))
+    instance = GRPO(policy=PolicyOptions(peft=peft.LoraConfig(r=2, target_modules=["q_proj"])))
     for module in (cli.model, short, instance):
         assert module.policy.model.peft_config["default"].r == 2
     assert cli.model.policy.model.peft_config["default"].lora_alpha == 32  # the rest from the YAML

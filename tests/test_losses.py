@@ -848,6 +848,6 @@ def test_kl_clamp_bounds_a_spike_and_logs_the_max_and_how_often():
     assert free.item() == pytest.approx(7.136002, rel=1e-5) and "policy/kl_clamp_frac" not in m
     from lightning_rl.maths.objective import Objective
 
-    with pytest.raises(ValueError, match="model.kl_clamp"):
+    with pytest.raises(ValueError, match="model.objective.kl_clamp"):
         Objective(kl_coef=0.1, kl_clamp=0.0)
     assert Objective().kl_clamp is None  # off unless set: the shipped configs are measured without it

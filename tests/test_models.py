@@ -72,9 +72,9 @@ def test_a_hub_id_with_the_hub_down_tries_the_cache_then_names_the_key(hub_down)
 
 def test_policy_critic_and_reward_model_share_the_errors(tmp_path, hub_down):
     policy = load_policy("builtin:tiny-sort")
-    for load, key in ((lambda v: load_policy(v), "model.model"),
-                      (lambda v: load_critic(v, policy), "model.critic_model"),
-                      (lambda v: load_reward_network(v), "model.reward_model")):
+    for load, key in ((lambda v: load_policy(v), "model.policy.model"),
+                      (lambda v: load_critic(v, policy), "model.critic.model"),
+                      (lambda v: load_reward_network(v), "model.rewards.model")):
         with pytest.raises(FileNotFoundError, match=rf"^`{key}`: model folder not found"):
             load(str(tmp_path / "missing"))
         with pytest.raises(NotADirectoryError, match=rf"^`{key}`: not a save_pretrained folder"):
@@ -90,8 +90,8 @@ def test_policy_critic_and_reward_model_share_the_errors(tmp_path, hub_down):
 def test_dtype_names():
     assert torch_dtype(None, "k") is torch.float32 and torch_dtype("bfloat16", "k") is torch.bfloat16
     assert torch_dtype("auto", "k") == "auto"
-    with pytest.raises(ValueError, match=r"^`model\.dtype`: dtype must be one of"):
-        torch_dtype("fp32", "model.dtype")
+    with pytest.raises(ValueError, match=r"^`model\.policy\.dtype`: dtype must be one of"):
+        torch_dtype("fp32", "model.policy.dtype")
 
 
 def test_gradient_checkpointing_helpers_use_the_current_api():

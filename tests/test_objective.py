@@ -441,12 +441,13 @@ def test_micro_batch_normalizers_make_objective_split_invariant(trust_region):
     (dict(trust_region="cispo", clip_high=0.0), "clip_high"),
 ])
 def test_invalid_combinations_name_the_key(kwargs, key):
-    with pytest.raises(ValueError, match=f"model.{key}"):
+    with pytest.raises(ValueError, match=f"model.objective.{key}"):
         Objective(**kwargs)
 
 
 def test_unused_option_message_names_the_trust_region():
-    with pytest.raises(ValueError, match=r"`model.clip_low` has no effect under `model.trust_region: cispo`"):
+    with pytest.raises(ValueError, match=r"`model.objective.clip_low` has no effect under "
+                                          r"`model.objective.trust_region: cispo`"):
         Objective(trust_region="cispo", clip_low=0.3)
 
 
@@ -472,8 +473,10 @@ def test_kl_on_without_reference_at_call_names_kl_coef():
 
 def test_algorithm_presets_build_these_objectives():
     from lightning_rl.algorithms import DAPO, GRPO, GSPO, SAPO
+    from lightning_rl.algorithms.options import PolicyOptions, SamplingOptions
 
-    common = dict(model="builtin:tiny-sort", max_new_tokens=8, max_prompt_length=16, num_generations=2)
+    common = dict(policy=PolicyOptions(model="builtin:tiny-sort", max_prompt_length=16),
+                  sampling=SamplingOptions(max_new_tokens=8, num_generations=2))
     assert GRPO(**common).objective == Objective(ratio_level="token", trust_region="clip", clip_low=0.2,
                                                  clip_high=0.2, clip_ratio_c=None,
                                                  aggregation="seq-mean-token-mean",
@@ -485,10 +488,13 @@ def test_algorithm_presets_build_these_objectives():
     assert SAPO(**common).objective == Objective(ratio_level="token", trust_region="soft_gate", tau_pos=1.0,
                                                  tau_neg=1.05, aggregation="seq-mean-token-mean")
     # the composed axes stay open on every preset
-    assert SAPO(**common, aggregation="token-mean").objective.aggregation == "token-mean"
+    token_mean = SAPO.configured(**common, objective={"aggregation": "token-mean"})
+    assert token_mean.objective.aggregation == "token-mean"
     # GSPO's clip range does not apply to the soft gate: it must be reset, not dropped silently
-    gated = GSPO(**common, trust_region="soft_gate", clip_low=0.2, clip_high=0.2)
+    gated = GSPO.configured(**common, objective={"trust_region": "soft_gate", "clip_low": 0.2,
+                                                 "clip_high": 0.2})
     assert gated.objective.ratio_level == "sequence"
-    with pytest.raises(ValueError, match="has no effect under `model.trust_region: soft_gate`"):
-        GSPO(**common, trust_region="soft_gate")
-    assert DAPO(**common, trust_region="cispo").objective.trust_region_args == {"clip_high": 0.28}
+    with pytest.raises(ValueError, match="has no effect under `model.objective.trust_region: soft_gate`"):
+        GSPO.configured(**common, objective={"trust_region": "soft_gate"})
+    cispo = DAPO.configured(**common, objective={"trust_region": "cispo"})
+    assert cispo.objective.trust_region_args == {"clip_high": 0.28}

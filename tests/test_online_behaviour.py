@@ -124,7 +124,8 @@ class OptimizerSteps(L.Callback):
 @pytest.mark.slow
 def test_ppo_epochs_and_minibatches_reuse_one_behaviour_snapshot(tmp_path, monkeypatch):
     clip = 0.01
-    module = make(GRPO, ppo_epochs=2, num_minibatches=2, kl_coef=0.0, clip_low=clip, clip_high=clip,
+    module = make(GRPO, update={"epochs": 2, "num_minibatches": 2},
+                  objective={"kl_coef": 0.0, "clip_low": clip, "clip_high": clip},
                   optimizer=partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.0))
     behaviour_passes = spy_policy_scoring(monkeypatch, module)
     check, steps = UpdateCheck(module, clip), OptimizerSteps()
@@ -163,8 +164,8 @@ def test_ppo_epochs_and_minibatches_reuse_one_behaviour_snapshot(tmp_path, monke
 @pytest.mark.slow
 def test_lr_scheduler_steps_once_per_optimiser_step(tmp_path):
     lr0 = 1e-3
-    module = make(GRPO, ppo_epochs=2, num_minibatches=2, micro_batch_size=4, kl_coef=0.0,
-                  optimizer=partial(torch.optim.AdamW, lr=lr0, weight_decay=0.0),
+    module = make(GRPO, update={"epochs": 2, "num_minibatches": 2, "micro_batch_size": 4},
+                  objective={"kl_coef": 0.0}, optimizer=partial(torch.optim.AdamW, lr=lr0, weight_decay=0.0),
                   lr_scheduler=partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5))
     steps, cap = OptimizerSteps(), Capture()
     trainer = make_trainer(tmp_path, max_steps=8, callbacks=[steps, cap])
@@ -186,8 +187,9 @@ def length_reward(completions, **_):
 @pytest.mark.parametrize("scale", [True, False])
 def test_scale_advantages_inside_the_module(tmp_path, scale):
     # rewards: exact match + 0.1 x completion length, so groups have many different spreads
-    module = make(GRPO, kl_coef=0.0, advantage=GroupNormalized(scale=scale), reward_weights=[1.0, 0.1],
-                  reward_fns=["lightning_rl.step.rewards:exact_match", f"{HERE}:length_reward"])
+    module = make(GRPO, objective={"kl_coef": 0.0}, advantage=GroupNormalized(scale=scale),
+                  rewards={"weights": [1.0, 0.1],
+                           "functions": ["lightning_rl.step.rewards:exact_match", f"{HERE}:length_reward"]})
     cap = Capture()
     make_trainer(tmp_path, max_steps=1, callbacks=[cap]).fit(module, datamodule())
     (rollout,) = cap.rollouts
@@ -232,7 +234,8 @@ def templated_model(tmp_path):
 
 
 def test_chat_template_renders_strings_and_messages(tmp_path):
-    module = make(model=templated_model(tmp_path), chat_template=True, max_prompt_length=40)
+    module = make(policy={"model": templated_model(tmp_path), "chat_template": True,
+                          "max_prompt_length": 40})
     messages = [{"role": "system", "content": "sort"}, {"role": "user", "content": "321="}]
     ids, mask = module.encode_prompts(["12345=", messages])
     assert texts(module, ids, mask) == ["<bos><user>12345=<assistant>",
@@ -257,7 +260,8 @@ def test_rollout_prompts_are_rendered_with_the_chat_template(tmp_path):
              "answer": "".join(sorted(d))} for d in ("50318", "77120", "90909", "31415", "27182", "11235")]
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    module = make(model=templated_model(tmp_path), chat_template=True, max_prompt_length=40, kl_coef=0.0)
+    module = make(policy={"model": templated_model(tmp_path), "chat_template": True,
+                          "max_prompt_length": 40}, objective={"kl_coef": 0.0})
     seen, cap = spy_generations(module), Capture()
     dm = PromptDataModule(path=str(path), batch_size=2)
     make_trainer(tmp_path, max_steps=1, callbacks=[cap]).fit(module, dm)
@@ -268,24 +272,25 @@ def test_rollout_prompts_are_rendered_with_the_chat_template(tmp_path):
 
 
 def test_chat_template_without_template_names_the_key(tmp_path):
-    module = make(chat_template=True)  # the embedded tokenizer has no chat template
-    with pytest.raises(ValueError, match="model.chat_template"):
+    module = make(policy={"chat_template": True})  # the embedded tokenizer has no chat template
+    with pytest.raises(ValueError, match="model.policy.chat_template"):
         module.encode_prompts(["12345="])
     module.chat_template = False
-    with pytest.raises(ValueError, match="model.chat_template"):  # messages always need a template
+    with pytest.raises(ValueError, match="model.policy.chat_template"):  # messages always need a template
         module.encode_prompts([[{"role": "user", "content": "12345="}]])
     module.chat_template = True
     trainer = make_trainer(tmp_path, max_steps=1)
-    with pytest.raises(ValueError, match="model.chat_template"):  # before any generation or step
+    with pytest.raises(ValueError, match="model.policy.chat_template"):  # before any generation or step
         trainer.fit(module, datamodule())
     assert trainer.global_step == 0
 
 
 def test_prompt_length_limit_counts_rendered_tokens(tmp_path):
     # "12345=" is 6 tokens, "<bos><user>12345=<assistant>" 1 + 6 + 6 + 11 = 24 > 20: fails before training
-    module = make(model=templated_model(tmp_path), chat_template=True, max_prompt_length=20)
+    module = make(policy={"model": templated_model(tmp_path), "chat_template": True,
+                          "max_prompt_length": 20})
     trainer = make_trainer(tmp_path, max_steps=1)
-    message = r"train prompt at row index 0 is 24 tokens, longer than `model.max_prompt_length`=20"
+    message = r"train prompt at row index 0 is 24 tokens, longer than `model.policy.max_prompt_length`=20"
     with pytest.raises(ValueError, match=message):
         trainer.fit(module, datamodule())
     assert trainer.global_step == 0
@@ -304,7 +309,8 @@ def prompt_starts_low(prompts, **_):
 
 @pytest.mark.slow
 def test_correctness_fn_decides_rollout_correct_and_the_groups_dapo_keeps(tmp_path):
-    module = make(DAPO, correctness_fn=f"{HERE}:odd_length", overlong_buffer=None, max_gen_batches=3)
+    module = make(DAPO, rewards={"correctness_fn": f"{HERE}:odd_length", "overlong_buffer": None},
+                  filters={"max_gen_batches": 3})
     seen, cap = spy_generations(module), Capture()
     make_trainer(tmp_path, max_steps=1, callbacks=[cap]).fit(module, datamodule())
     (rollout,) = cap.rollouts
@@ -329,7 +335,8 @@ def test_correctness_fn_decides_rollout_correct_and_the_groups_dapo_keeps(tmp_pa
 
 @pytest.mark.slow
 def test_correctness_fn_uniform_per_prompt_drops_every_group(tmp_path):
-    module = make(DAPO, correctness_fn=f"{HERE}:prompt_starts_low", max_gen_batches=2)
+    module = make(DAPO, rewards={"correctness_fn": f"{HERE}:prompt_starts_low"},
+                  filters={"max_gen_batches": 2})
     cap, before = Capture(), params(module)
     trainer = make_trainer(tmp_path, max_steps=1, callbacks=[cap], logger=CSVLogger(str(tmp_path)),
                            log_every_n_steps=1)
@@ -345,7 +352,7 @@ def test_correctness_fn_uniform_per_prompt_drops_every_group(tmp_path):
 @pytest.mark.parametrize("key", ["accuracy_fn", "correctness_fn"])
 def test_val_accuracy_is_the_mean_of_the_correctness_function(tmp_path, key):
     # correctness_fn decides val/accuracy as it decides rollout.correct; without it, accuracy_fn does
-    module = make(GRPO, **{key: f"{HERE}:prompt_starts_low"})
+    module = make(GRPO, rewards={key: f"{HERE}:prompt_starts_low"})
     dm = datamodule(max_val_rows=64, val_batch_size=16)
     (result,) = make_trainer(tmp_path, limit_val_batches=1.0).validate(module, dm, verbose=False)
     expected = sum(r["prompt"][0] < "5" for r in dm.val_rows) / len(dm.val_rows)
@@ -354,20 +361,21 @@ def test_val_accuracy_is_the_mean_of_the_correctness_function(tmp_path, key):
 
 
 def test_correctness_follows_the_main_reward_unless_accuracy_fn_is_set(caplog):
-    """`reward_fns: [numeric_match]` without `accuracy_fn`: validation, DAPO's filter and predict score
-    correctness with numeric_match (full score), not exact_match, and the first validation line says so."""
+    """`rewards.functions: [numeric_match]` without `rewards.accuracy_fn`: validation, DAPO's filter and
+    predict score correctness with numeric_match (full score), not exact_match, and the first validation
+    line says so."""
     from helpers import make
 
-    numeric = make(reward_fns=["lightning_rl.step.rewards:numeric_match"])
+    numeric = make(rewards={"functions": ["lightning_rl.step.rewards:numeric_match"]})
     columns = {"answer": ["12", "12"]}
     assert numeric.correct(["q", "q"], ["so it is 12", "13"], columns) == [True, False]
     assert numeric.correctness_fn is numeric.accuracy_fn
     assert "numeric_match (correct at its full score" in numeric.accuracy_name
-    weighted = make(reward_fns=["lightning_rl.step.rewards:exact_match",
-                                "lightning_rl.step.rewards:numeric_match"], reward_weights=[0.5, 1.0])
+    weighted = make(rewards={"functions": ["lightning_rl.step.rewards:exact_match",
+                                           "lightning_rl.step.rewards:numeric_match"], "weights": [0.5, 1.0]})
     assert weighted.accuracy_name.startswith("lightning_rl.step.rewards:numeric_match")
-    explicit = make(reward_fns=["lightning_rl.step.rewards:numeric_match"],
-                    accuracy_fn="lightning_rl.step.rewards:exact_match")
+    explicit = make(rewards={"functions": ["lightning_rl.step.rewards:numeric_match"],
+                             "accuracy_fn": "lightning_rl.step.rewards:exact_match"})
     assert explicit.correct(["q"], ["so it is 12"], {"answer": ["12"]}) == [False]
     assert explicit.accuracy_name == "lightning_rl.step.rewards:exact_match"
 
@@ -378,14 +386,14 @@ def test_validate_and_predict_build_no_reference_fit_does(tmp_path):
     checkpoint's weights load: validate and predict never hold one."""
     from helpers import datamodule, make, make_trainer
 
-    module = make(kl_coef=0.04)
+    module = make(objective={"kl_coef": 0.04})
     assert module._reference is None
     make_trainer(tmp_path, limit_val_batches=1).validate(module, datamodule(max_val_rows=4))
     make_trainer(tmp_path).predict(module, datamodule(max_val_rows=4))
     assert module._reference is None
     make_trainer(tmp_path).fit(module, datamodule())
     assert module._reference is not None and not module._reference.shares_weights
-    assert make(kl_coef=0.0).reference_policy() is None
+    assert make(objective={"kl_coef": 0.0}).reference_policy() is None
 
 
 CALLS = []
@@ -401,7 +409,7 @@ def test_correctness_from_the_main_reward_reuses_its_scores():
     its values instead of calling it again."""
     from helpers import make
 
-    module = make(reward_fns=["test_online_behaviour:counting_match"])
+    module = make(rewards={"functions": ["test_online_behaviour:counting_match"]})
     CALLS.clear()
     result = module.reward_pipeline(["q", "q"], ["12", "13"], [2, 2], {"answer": ["12", "12"]})
     assert CALLS == [2] and result.correct.tolist() == [True, False]

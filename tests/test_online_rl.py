@@ -167,8 +167,8 @@ def update_grads(module, rollout, micro_batch_size, aggregation) -> dict[str, to
 
 @pytest.mark.slow
 def test_gradient_does_not_depend_on_micro_batch_size(tmp_path):
-    module = make(OnlineRL, clip_low=0.2, clip_high=0.28, kl_coef=0.1, max_grad_norm=None,
-                  optimizer=partial(torch.optim.SGD, lr=0.0))
+    module = make(OnlineRL, objective={"clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.1},
+                  update={"max_grad_norm": None}, optimizer=partial(torch.optim.SGD, lr=0.0))
 
     def experiment(trainer, module):
         rollout = prepare_rollout(module, trainer)
@@ -213,7 +213,8 @@ def test_micro_batches_on_a_single_device_match_the_whole_batch_step(tmp_path):
     whole-batch step (same rollout, same SGD update)."""
     runs = {}
     for micro in (None, 2):
-        module = make(GRPO, kl_coef=0.0, micro_batch_size=micro, max_grad_norm=None,
+        module = make(GRPO, objective={"kl_coef": 0.0},
+                      update={"micro_batch_size": micro, "max_grad_norm": None},
                       optimizer=partial(torch.optim.SGD, lr=1.0))
         before, sizes, original = params(module), [], module.policy_loss
 
@@ -238,7 +239,7 @@ def test_micro_batches_on_a_single_device_match_the_whole_batch_step(tmp_path):
 # ------------------------------------------------------------------------------ b. behaviour log-probs
 @pytest.mark.slow
 def test_single_update_skips_the_old_policy_forward_pass(tmp_path, monkeypatch):
-    module = make(GRPO, kl_coef=0.0)
+    module = make(GRPO, objective={"kl_coef": 0.0})
     cap = Capture()
     policy_logprob_calls = spy_policy_scoring(monkeypatch, module)
     trainer = make_trainer(tmp_path, max_steps=2, callbacks=[cap])
@@ -251,7 +252,7 @@ def test_single_update_skips_the_old_policy_forward_pass(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_single_update_gradient_equals_recorded_old_logprobs(tmp_path, monkeypatch):
-    module = make(GRPO, max_grad_norm=None, optimizer=partial(torch.optim.SGD, lr=0.0))
+    module = make(GRPO, update={"max_grad_norm": None}, optimizer=partial(torch.optim.SGD, lr=0.0))
     policy_calls = spy_policy_scoring(monkeypatch, module)
 
     def experiment(trainer, module):
@@ -303,7 +304,7 @@ class OldLogpCheck(RLCallback):
 
 @pytest.mark.slow
 def test_two_minibatches_record_old_logprobs_once_per_step(tmp_path, monkeypatch):
-    module = make(GRPO, num_minibatches=2, kl_coef=0.0)
+    module = make(GRPO, update={"num_minibatches": 2}, objective={"kl_coef": 0.0})
     policy_logprob_calls = spy_policy_scoring(monkeypatch, module)
     cap, check = Capture(), OldLogpCheck(module)
     # 2 RL steps x 2 optimiser steps
@@ -330,7 +331,7 @@ CLIP = ["policy/clip_frac_low", "policy/clip_frac_high"]
 
 @pytest.mark.parametrize(("cls", "kw", "max_steps", "rl_steps", "extra", "absent"), [
     (GRPO, {}, 3, 3, ["policy/kl_ref", *CLIP], ["policy/gate_weight_mean"]),
-    (GSPO, {"num_minibatches": 2}, 4, 2, CLIP, ["policy/kl_ref", "policy/gate_weight_mean"]),
+    (GSPO, {"update": {"num_minibatches": 2}}, 4, 2, CLIP, ["policy/kl_ref", "policy/gate_weight_mean"]),
     (DAPO, {}, 3, 3, [*CLIP, "rollout/filtered_group_frac", "rollout/gen_batches"],
      ["policy/kl_ref", "policy/gate_weight_mean"]),
     (SAPO, {}, 3, 3, ["policy/gate_weight_mean"], ["policy/kl_ref", *CLIP]),  # a soft gate: nothing clips
@@ -427,19 +428,19 @@ def fit_expecting(module, tmp_path, exc, match, dm=None):
 
 @pytest.mark.slow
 def test_raising_reward_names_the_function(tmp_path):
-    module = make(reward_fns=[f"{HERE}:raising_reward"])
+    module = make(rewards={"functions": [f"{HERE}:raising_reward"]})
     fit_expecting(module, tmp_path, RewardError,
                   rf"`{HERE}:raising_reward` raised ZeroDivisionError: bad reward code")
 
 
 def test_nan_reward_names_function_and_sample(tmp_path):
-    module = make(reward_fns=["lightning_rl.step.rewards:exact_match", f"{HERE}:nan_reward"])
+    module = make(rewards={"functions": ["lightning_rl.step.rewards:exact_match", f"{HERE}:nan_reward"]})
     fit_expecting(module, tmp_path, RewardError, rf"`{HERE}:nan_reward` returned nan for sample 2")
 
 
 @pytest.mark.slow
 def test_reward_errors_zero_mode_scores_zero_and_counts(tmp_path):
-    module = make(reward_fns=[f"{HERE}:aligned_or_nan"], on_reward_error="zero")
+    module = make(rewards={"functions": [f"{HERE}:aligned_or_nan"], "on_error": "zero"})
     cap = Capture()
     trainer = make_trainer(tmp_path, max_steps=2, callbacks=[cap], logger=CSVLogger(str(tmp_path)),
                            log_every_n_steps=1)
@@ -466,11 +467,11 @@ def test_long_prompt_fails_in_on_fit_start_naming_the_row(tmp_path):
     CALLS["n"] = 0
     prompts = ["12345=", "54321=", "1234567890123456789=", "11111="]
     dm = PromptDataModule(path=str(write_jsonl(tmp_path / "p.jsonl", prompts)), batch_size=2)
-    module = make(reward_fns=[f"{HERE}:counting_reward"])
+    module = make(rewards={"functions": [f"{HERE}:counting_reward"]})
     steps = []
     module.training_step = lambda *a, **k: steps.append(1)
     fit_expecting(module, tmp_path, ValueError, r"train prompt at line 3 of .*p\.jsonl is 20 tokens, "
-                                                r"longer than `model.max_prompt_length`=16", dm=dm)
+                                                r"longer than `model.policy.max_prompt_length`=16", dm=dm)
     assert steps == [] and CALLS["n"] == 0  # before any training step or generation
 
 
@@ -502,7 +503,7 @@ def bos_model(tmp_path) -> Path:
 
 
 def test_bos_model_fixture_adds_bos(tmp_path):
-    module = make(model=str(bos_model(tmp_path)), max_prompt_length=6)
+    module = make(policy={"model": str(bos_model(tmp_path)), "max_prompt_length": 6})
     assert module.tokenizer("12345=")["input_ids"] == [module.tokenizer.bos_token_id] + module.tokenizer(
         "12345=", add_special_tokens=False)["input_ids"]
     ids, _ = module.encode_prompts(["1234="])  # 5 characters + BOS = 6 tokens: fits
@@ -511,23 +512,23 @@ def test_bos_model_fixture_adds_bos(tmp_path):
 
 def test_prompt_too_long_only_with_bos_fails_before_training(tmp_path):
     # sort prompts are 6 characters; with <bos> they are 7 tokens > max_prompt_length 6: the promised
-    # early error (naming `model.max_prompt_length`) must come in on_fit_start, not from the first step
-    module = make(model=str(bos_model(tmp_path)), max_prompt_length=6)
-    fit_expecting(module, tmp_path, ValueError, "model.max_prompt_length")
+    # early error (naming `model.policy.max_prompt_length`) must come in on_fit_start, not from the first step
+    module = make(policy={"model": str(bos_model(tmp_path)), "max_prompt_length": 6})
+    fit_expecting(module, tmp_path, ValueError, "model.policy.max_prompt_length")
 
 
 @pytest.mark.parametrize(("cls", "kw", "key"), [
-    (GRPO, {"num_generations": 1}, "model.num_generations"),
-    (GRPO, {"reward_fns": ["lightning_rl.step.rewards:exact_match"], "reward_weights": [1.0, 2.0]},
-     "model.reward_weights"),
-    (DAPO, {"overlong_buffer": 9}, "model.overlong_buffer"),
-    (GRPO, {"micro_batch_size": 0}, "model.micro_batch_size"),
-    (GRPO, {"ppo_epochs": 0}, "model.ppo_epochs"),
-    (GRPO, {"num_minibatches": 0}, "model.num_minibatches"),
-    (GRPO, {"on_reward_error": "ignore"}, "model.on_reward_error"),
-    (GRPO, {"aggregation": "sum"}, "model.aggregation"),
-    (SAPO, {"clip_ratio_c": 3.0}, "model.clip_ratio_c"),
-    (GRPO, {"model": "builtin:nope"}, "model.model"),
+    (GRPO, {"sampling": {"num_generations": 1}}, "model.sampling.num_generations"),
+    (GRPO, {"rewards": {"functions": ["lightning_rl.step.rewards:exact_match"], "weights": [1.0, 2.0]}},
+     "model.rewards.weights"),
+    (DAPO, {"rewards": {"overlong_buffer": 9}}, "model.rewards.overlong_buffer"),
+    (GRPO, {"update": {"micro_batch_size": 0}}, "model.update.micro_batch_size"),
+    (GRPO, {"update": {"epochs": 0}}, "model.update.epochs"),
+    (GRPO, {"update": {"num_minibatches": 0}}, "model.update.num_minibatches"),
+    (GRPO, {"rewards": {"on_error": "ignore"}}, "model.rewards.on_error"),
+    (GRPO, {"objective": {"aggregation": "sum"}}, "model.objective.aggregation"),
+    (SAPO, {"objective": {"clip_ratio_c": 3.0}}, "model.objective.clip_ratio_c"),
+    (GRPO, {"policy": {"model": "builtin:nope"}}, "model.policy.model"),
 ])
 def test_config_errors_name_the_key(cls, kw, key):
     with pytest.raises(ValueError, match=key):
@@ -541,31 +542,34 @@ def overlong_buffer(module):
 
 
 def test_dapo_overlong_buffer_defaults():
-    assert overlong_buffer(make(DAPO, max_new_tokens=10)) == 2  # a fifth of max_new_tokens
-    assert overlong_buffer(make(DAPO, max_new_tokens=4)) == 1
-    assert overlong_buffer(make(DAPO, overlong_buffer=0)) is None  # 0 turns it off
-    assert overlong_buffer(make(DAPO, overlong_buffer=8)) == 8
+    assert overlong_buffer(make(DAPO, sampling={"max_new_tokens": 10})) == 2  # a fifth of max_new_tokens
+    assert overlong_buffer(make(DAPO, sampling={"max_new_tokens": 4})) == 1
+    assert overlong_buffer(make(DAPO, rewards={"overlong_buffer": 0})) is None  # 0 turns it off
+    assert overlong_buffer(make(DAPO, rewards={"overlong_buffer": 8})) == 8
     # the shaping is over the module's real max_new_tokens, with the configured factor
-    assert make(DAPO, overlong_buffer=8, overlong_penalty_factor=0.5).reward_pipeline.overlong == (8, 8, 0.5)
+    shaped = make(DAPO, rewards={"overlong_buffer": 8, "overlong_penalty_factor": 0.5})
+    assert shaped.reward_pipeline.overlong == (8, 8, 0.5)
     # resolved inside OnlineRL from the module's real max_new_tokens, for any preset
-    assert overlong_buffer(make(GRPO, overlong_buffer="auto", max_new_tokens=20)) == 4
+    auto = make(GRPO, rewards={"overlong_buffer": "auto"}, sampling={"max_new_tokens": 20})
+    assert overlong_buffer(auto) == 4
     assert overlong_buffer(make(GRPO)) is None  # off unless asked for
-    with pytest.raises(ValueError, match="model.overlong_buffer"):
-        make(DAPO, max_new_tokens=8, overlong_buffer=9)
+    with pytest.raises(ValueError, match="model.rewards.overlong_buffer"):
+        make(DAPO, sampling={"max_new_tokens": 8}, rewards={"overlong_buffer": 9})
 
 
 # ---------------------------------------------------------------------------- f. truncation, overlong
 @pytest.mark.slow
 def test_mask_truncated_zeroes_truncated_rows(tmp_path):
-    module = make(GRPO, max_new_tokens=2, mask_truncated=True, kl_coef=0.0, max_grad_norm=None,
+    module = make(GRPO, sampling={"max_new_tokens": 2}, filters={"mask_truncated": True},
+                  objective={"kl_coef": 0.0}, update={"max_grad_norm": None},
                   optimizer=partial(torch.optim.SGD, lr=0.0))
 
     def experiment(trainer, module):
         batch = first_batch(trainer)
         rollout = sample(module, batch)
-        module.mask_truncated = False
+        module.sampler.mask_truncated = False
         plain = sample(module, batch)
-        module.mask_truncated = True
+        module.sampler.mask_truncated = True
         rollout.advantages = torch.randn(len(rollout), generator=torch.Generator().manual_seed(0))
         update(module, rollout)
         return rollout, plain, grads(module)
@@ -582,8 +586,9 @@ def test_mask_truncated_zeroes_truncated_rows(tmp_path):
 
 
 def test_dapo_overlong_penalty_shapes_rewards_not_correctness(tmp_path):
-    module = make(DAPO, max_new_tokens=8, overlong_buffer=4, overlong_penalty_factor=0.5,
-                  dynamic_sampling=False)
+    module = make(DAPO, sampling={"max_new_tokens": 8},
+                  rewards={"overlong_buffer": 4, "overlong_penalty_factor": 0.5},
+                  filters={"dynamic_sampling": False})
 
     def experiment(trainer, module):
         batch = first_batch(trainer)

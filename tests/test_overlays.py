@@ -142,7 +142,7 @@ def test_deepspeed_overlay_builds_and_takes_clipping_from_the_model(tmp_path, ov
     throughput log (Lightning would otherwise read a batch sampler our prompt loaders do not have)."""
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    cli = build(tmp_path, "grpo.yaml", overlay, "--model.init_args.max_grad_norm", "0.5")
+    cli = build(tmp_path, "grpo.yaml", overlay, "--model.init_args.update.max_grad_norm", "0.5")
     strategy = cli.trainer.strategy
     assert isinstance(strategy, DeepSpeedStrategy) and strategy.config["zero_optimization"]["stage"] == stage
     cli.model.trainer = cli.trainer
@@ -205,8 +205,9 @@ def test_example_resolves_through_the_cli(capsys):
                               "strategy": strategy}), trainer
     assert "callbacks" not in trainer or not trainer["callbacks"]
     assert config["model"]["class_path"] == "lightning_rl.algorithms.GRPO"
-    assert model["model"] == "Qwen/Qwen2.5-0.5B-Instruct" and model["chat_template"] is True
-    assert model["reward_fns"] == ["lightning_rl.step.math_rewards:math_verify_reward"]
+    policy = model["policy"]
+    assert policy["model"] == "Qwen/Qwen2.5-0.5B-Instruct" and policy["chat_template"] is True
+    assert model["rewards"]["functions"] == ["lightning_rl.step.math_rewards:math_verify_reward"]
     assert (data["prompt_column"], data["answer_column"]) == ("question", "answer")
 
 
@@ -221,19 +222,20 @@ def test_example_runs_one_step_on_cpu_with_a_tiny_qwen2(tmp_path):
     assert type(tokenizer).__name__ == "Qwen2Tokenizer"
     for question, _ in QUESTIONS:  # the reloaded tokenizer round-trips (no dropped characters)
         assert tokenizer.decode(tokenizer(question).input_ids) == question
-    run_cli("fit", "--config", EXAMPLE, "--model.init_args.model", model_dir,
+    run_cli("fit", "--config", EXAMPLE, "--model.init_args.policy.model", model_dir,
             "--data.init_args.path", data_file, "--data.init_args.val_path", data_file,
             "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.strategy", "auto",
             "--trainer.precision", "32", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0",
             "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false",
-            "--model.init_args.max_new_tokens", "8", "--model.init_args.num_generations", "4",
+            "--model.init_args.sampling.max_new_tokens", "8",
+            "--model.init_args.sampling.num_generations", "4",
             "--data.init_args.batch_size", "2", "--trainer.logger.init_args.save_dir", tmp_path / "runs")
     (run_dir,) = (tmp_path / "runs" / "qwen2-gsm8k-fsdp2").glob("version_*")
     logged = scalars(run_dir)
     assert [s for s, _ in logged["policy/loss"]] == [1]
     assert "rollout/reward_mean" in logged
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    assert saved["model"]["init_args"]["chat_template"] is True
+    assert saved["model"]["init_args"]["policy"]["chat_template"] is True
     exported = AutoModelForCausalLM.from_pretrained(run_dir / "policy")
     assert type(exported).__name__ == "Qwen2ForCausalLM"
     # a random model scores 0 on every sample (zero advantages, policy = reference), so the weights need

@@ -23,6 +23,7 @@ from lightning_rl.maths.advantages import (
     token_rewards,
     whiten,
 )
+from lightning_rl.step.estimators import GAE
 
 HERE = Path(__file__).parent
 
@@ -84,21 +85,25 @@ def test_explained_variance_and_the_adaptive_kl_controller_by_hand():
 
 # ---- configuration ----------------------------------------------------------------------------------------
 def test_ppo_takes_one_sample_per_prompt_and_validates_its_keys():
-    assert make(PPO, num_generations=1).num_generations == 1
-    with pytest.raises(ValueError, match="model.num_generations"):
-        make(GRPO, num_generations=1)
-    bad = {"gamma": 1.5, "lam": -0.1, "vf_coef": 0.0, "value_clip": 0.0, "critic_warmup": -1}
+    assert make(PPO, sampling={"num_generations": 1}).num_generations == 1
+    with pytest.raises(ValueError, match="model.sampling.num_generations"):
+        make(GRPO, sampling={"num_generations": 1})
+    # GAE's keys are `advantage: {class_path: lightning_rl.step.estimators.GAE, init_args: {gamma, lam}}`
+    for key, value in {"gamma": 1.5, "lam": -0.1}.items():
+        with pytest.raises(ValueError, match=f"model.advantage.init_args.{key}"):
+            make(PPO, advantage=GAE(**{key: value}))
+    bad = {"vf_coef": 0.0, "value_clip": 0.0, "warmup": -1}
     for key, value in bad.items():
-        with pytest.raises(ValueError, match=f"model.{key}"):
-            make(PPO, **{key: value})
-    with pytest.raises(ValueError, match="model.kl_target"):
-        make(PPO, kl_in_reward=False, kl_target=0.1)
+        with pytest.raises(ValueError, match=f"model.critic.{key}"):
+            make(PPO, critic={key: value})
+    with pytest.raises(ValueError, match="model.objective.kl_target"):
+        make(PPO, objective={"kl_in_reward": False, "kl_target": 0.1})
     # KL in the reward needs a reference but no in-loss term; in the loss, the other way round
-    in_reward = make(PPO, kl_coef=0.05)
+    in_reward = make(PPO, objective={"kl_coef": 0.05})
     assert in_reward.reference_policy() is not None and in_reward.objective.kl_coef == 0.0
-    in_loss = make(PPO, kl_in_reward=False, kl_coef=0.05)
+    in_loss = make(PPO, objective={"kl_in_reward": False, "kl_coef": 0.05})
     assert in_loss.reference_policy() is not None and in_loss.objective.kl_coef == 0.05
-    assert make(PPO, kl_coef=0.0).reference_policy() is None
+    assert make(PPO, objective={"kl_coef": 0.0}).reference_policy() is None
 
 
 def test_ppo_refuses_deepspeed_naming_what_works():
@@ -154,7 +159,7 @@ class Snapshots(RLCallback):
 @pytest.mark.slow
 def test_critic_warmup_trains_only_the_critic_then_both(tmp_path):
     torch.manual_seed(0)
-    module = make(PPO, critic_warmup=2, critic_optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    module = make(PPO, critic={"warmup": 2, "optimizer": partial(torch.optim.AdamW, lr=1e-3)})
     start = (module.policy.model.lm_head.weight.detach().clone(),
              module.critic.model.score.weight.detach().clone())
     snaps = Snapshots()
@@ -179,11 +184,15 @@ trainer:
       init_args: {{dirpath: "{ckpt}", save_last: true, every_n_train_steps: 4, save_top_k: -1}}
 model:
   init_args:
-    num_generations: 2
-    num_minibatches: 2
-    kl_target: 0.001
-    kl_horizon: 10
-    critic_warmup: 1
+    sampling:
+      num_generations: 2
+    update:
+      num_minibatches: 2
+    objective:
+      kl_target: 0.001
+      kl_horizon: 10
+    critic:
+      warmup: 1
 data:
   init_args:
     batch_size: 4
@@ -244,11 +253,11 @@ def test_critic_starts_from_a_reward_model_folder(reward_folder):
     from transformers import AutoModelForSequenceClassification
 
     rm = AutoModelForSequenceClassification.from_pretrained(reward_folder)
-    module = make(PPO, critic_model=str(reward_folder))
+    module = make(PPO, critic={"model": str(reward_folder)})
     torch.testing.assert_close(module.critic.model.score.weight, rm.score.weight)
     assert float(module.critic.model.score.bias.abs().sum()) == 0.0  # a reward head has no bias: 0
-    with pytest.raises(FileNotFoundError, match="model.critic_model"):
-        make(PPO, critic_model=str(reward_folder) + "-missing")
+    with pytest.raises(FileNotFoundError, match="model.critic.model"):
+        make(PPO, critic={"model": str(reward_folder) + "-missing"})
 
 
 class Rollouts(RLCallback):
@@ -264,8 +273,8 @@ def test_reward_model_scores_are_added_to_the_reward_functions(tmp_path, reward_
     """rewards = exact_match + 0.5 x the reward model's score of the rendered prompt + completion text."""
     from lightning_rl.models.reward_model import RewardModelScorer
 
-    module = make(GRPO, reward_model=str(reward_folder), reward_model_weight=0.5,
-                  reward_fns=["lightning_rl.step.rewards:exact_match"])
+    module = make(GRPO, rewards={"model": str(reward_folder), "model_weight": 0.5,
+                                 "functions": ["lightning_rl.step.rewards:exact_match"]})
     seen = Rollouts()
     trainer = make_trainer(tmp_path, max_steps=1, callbacks=[seen])
     trainer.fit(module, PromptDataModule(batch_size=2, max_val_rows=8))
@@ -278,7 +287,7 @@ def test_reward_model_scores_are_added_to_the_reward_functions(tmp_path, reward_
     torch.testing.assert_close(rollout.rewards, expected, atol=1e-5, rtol=0)
     assert "reward_model" not in "".join(module.state_dict())  # kept out of checkpoints
     # a reward model alone: no reward function is needed
-    assert make(PPO, reward_model=str(reward_folder)).rewards is None
+    assert make(PPO, rewards={"model": str(reward_folder)}).rewards is None
 
 
 @pytest.mark.slow
@@ -289,7 +298,7 @@ def test_reward_model_then_ppo_rm_through_the_cli(tmp_path):
             "--trainer.logger.init_args.save_dir", tmp_path / "runs")
     folder = tmp_path / "runs" / "reward_model" / "sort" / "reward_model"
     assert (folder / "config.json").exists()
-    cli = run_cli("fit", "--config", CONFIGS / "ppo_rm.yaml", "--model.init_args.reward_model", folder,
+    cli = run_cli("fit", "--config", CONFIGS / "ppo_rm.yaml", "--model.init_args.rewards.model", folder,
                   "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1",
                   "--data.init_args.max_val_rows", "8", "--trainer.enable_progress_bar", "false",
                   "--trainer.logger.init_args.save_dir", tmp_path / "ppo")

@@ -87,7 +87,7 @@ def test_predict_from_a_checkpoint_and_from_the_exported_policy(tmp_path):
             "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
             "--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps", "0",
             "--data.init_args.batch_size", "2", "--data.init_args.max_val_rows", "2",
-            "--model.init_args.num_generations", "2",
+            "--model.init_args.sampling.num_generations", "2",
             "--model.init_args.optimizer.init_args.lr", "1e-2")
     trained = tmp_path / "lightning-rl" / "version_0"
     (ckpt,) = (trained / "checkpoints").glob("*.ckpt")
@@ -96,7 +96,7 @@ def test_predict_from_a_checkpoint_and_from_the_exported_policy(tmp_path):
     state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
     loaded = from_ckpt.model.state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
-    from_folder = predict(tmp_path, *prompts, "--model.init_args.model", trained / "policy")
+    from_folder = predict(tmp_path, *prompts, "--model.init_args.policy.model", trained / "policy")
     base = predict(tmp_path, *prompts)
     ckpt_rows, folder_rows, base_rows = (
         read_jsonl(tmp_path / "lightning-rl" / f"version_{v}" / "predictions.jsonl") for v in (1, 2, 3))

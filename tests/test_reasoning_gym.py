@@ -134,9 +134,10 @@ def test_one_grpo_step_on_the_embedded_model(tmp_path, mode):
     tiny model's 256-token context; the rewards come from the task's scorer or from the environment."""
     dm = ReasoningGymDataModule(task="basic_arithmetic", size=32, val_size=8, max_question_chars=40,
                                 batch_size=2, val_batch_size=4)
-    kw = dict(reward_fns=[SCORE]) if mode == "reward_fns" else dict(reward_fns=[],
-                                                                     environment=ReasoningGymEnvironment())
-    module = make(max_prompt_length=48, accuracy_fn=CORRECT, num_generations=2, **kw)
+    kw = dict(rewards={"functions": [SCORE], "accuracy_fn": CORRECT}) if mode == "reward_fns" else dict(
+        rewards={"functions": [], "accuracy_fn": CORRECT},
+        episodes={"environment": ReasoningGymEnvironment()})
+    module = make(policy={"max_prompt_length": 48}, sampling={"num_generations": 2}, **kw)
     trainer = make_trainer(tmp_path, max_steps=1, limit_val_batches=1, val_check_interval=1)
     trainer.fit(module, datamodule=dm)
     assert trainer.global_step == 1

@@ -20,9 +20,11 @@ trainer:
       init_args: {{dirpath: "{ckpt}", save_last: true, every_n_train_steps: 4, save_top_k: -1}}
 model:
   init_args:
-    num_generations: 4
-    num_minibatches: 2
-    max_new_tokens: 8
+    sampling:
+      num_generations: 4
+      max_new_tokens: 8
+    update:
+      num_minibatches: 2
 data:
   init_args:
     batch_size: 4

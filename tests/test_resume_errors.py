@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_rl.cli.main import find_last_checkpoint, main
 from lightning_rl.cli.resume import newest_checkpoint
 
-TINY = ["--data.init_args.batch_size", "2", "--model.init_args.num_generations", "2",
+TINY = ["--data.init_args.batch_size", "2", "--model.init_args.sampling.num_generations", "2",
         "--data.init_args.max_val_rows", "2", "--data.init_args.val_batch_size", "2",
         "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false",
         "--trainer.enable_model_summary", "false"]
@@ -160,9 +160,9 @@ def test_resume_with_another_batch_geometry_names_the_keys_and_values(saved_run)
     earlier = saved_run / "runs" / "lightning-rl" / "version_0"
     before = tree_hash(earlier)
     line = lightning_rl(saved_run, "--ckpt_path", "last", "--trainer.max_steps", "2",
-                        "--data.init_args.batch_size", "3", "--model.init_args.num_generations", "4")
+                        "--data.init_args.batch_size", "3", "--model.init_args.sampling.num_generations", "4")
     assert "was saved with another batch geometry: `data.batch_size` 2 in the checkpoint, 3 now; " \
-           "`model.num_generations` 2 in the checkpoint, 4 now." in line, line
+           "`model.sampling.num_generations` 2 in the checkpoint, 4 now." in line, line
     assert str(earlier / "checkpoints") in line and "LRL_ALLOW_GEOMETRY_CHANGE=1" in line
     assert tree_hash(earlier) == before
 

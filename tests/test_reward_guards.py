@@ -1,5 +1,5 @@
 """Guards around rewards in the online RL step (issue 8): a run whose reward function fails on too many
-samples under ``on_reward_error: zero`` stops with the function's last error instead of training on zeros;
+samples under ``rewards.on_error: zero`` stops with the function's last error instead of training on zeros;
 DAPO's overlong shaping is logged (``rollout/overlong_penalty_mean``) and described truly in the help and
 in configs/dapo.yaml."""
 
@@ -74,25 +74,25 @@ def logged_fit(module, tmp_path, steps=2, dm=None, callbacks=()):
 # ------------------------------------------------------------------- 1. too many failed rewards: stop
 @pytest.mark.slow
 def test_reward_failing_everywhere_in_zero_mode_stops_the_run(tmp_path):
-    module = make(reward_fns=[f"{HERE}:always_raises"], on_reward_error="zero")
+    module = make(rewards={"functions": [f"{HERE}:always_raises"], "on_error": "zero"})
     before = params(module)
     trainer = make_trainer(tmp_path, max_steps=2)
     with pytest.raises(RewardError) as info:
         trainer.fit(module, datamodule())
     message = str(info.value)
     # 4 prompts x G = 4: every one of the 16 samples failed, above the default limit of a half
-    assert "rewards failed on 16 of 16 samples, more than `model.max_reward_error_frac`=0.5" in message
+    assert "rewards failed on 16 of 16 samples, more than `model.rewards.max_error_frac`=0.5" in message
     # the function, its count, the last sample (quoted) and the original exception text
     assert re.search(rf"reward function `{HERE}:always_raises` failed on 16 of 16 samples: "
                      rf"sample 15 \(prompt {PROMPT}, completion '[^']*'\): "
                      r"raised ZeroDivisionError: bad reward code", message), message
-    assert "`model.on_reward_error: raise`" in message  # the way to a traceback
+    assert "`model.rewards.on_error: raise`" in message  # the way to a traceback
     assert trainer.global_step == 0 and not changed(before, module)  # stopped before any update
 
 
 def test_reward_failing_on_one_of_eight_samples_trains_warns_and_counts(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="lightning_rl.step.rewards")  # the rewards stage warns
-    module = make(reward_fns=[f"{HERE}:nan_at_three"], on_reward_error="zero")  # default limit 0.5
+    module = make(rewards={"functions": [f"{HERE}:nan_at_three"], "on_error": "zero"})  # default limit 0.5
     before = params(module)
     trainer, logged = logged_fit(module, tmp_path, dm=datamodule(batch_size=2))  # 2 prompts x G = 4
     assert trainer.global_step == 2 and changed(before, module)
@@ -109,7 +109,7 @@ def test_reward_failing_on_one_of_eight_samples_trains_warns_and_counts(tmp_path
 def test_the_stop_is_decided_on_counts_summed_over_ranks(tmp_path):
     """The step's first round all-reduces (failed, samples), so every rank reaches the same verdict; refill
     rounds (rank-dependent in number under dynamic sampling) make no collective call."""
-    module = make(reward_fns=[f"{HERE}:nan_at_three"], on_reward_error="zero")
+    module = make(rewards={"functions": [f"{HERE}:nan_at_three"], "on_error": "zero"})
 
     def experiment(trainer, module):
         batch = next(iter(trainer.datamodule.train_dataloader()))
@@ -144,8 +144,8 @@ def test_the_stop_is_decided_on_counts_summed_over_ranks(tmp_path):
 
 @pytest.mark.parametrize("frac", [-0.1, 1.5, math.nan])
 def test_max_reward_error_frac_is_validated(frac):
-    with pytest.raises(ValueError, match=r"`model.max_reward_error_frac` must be in \[0, 1\]"):
-        make(max_reward_error_frac=frac)
+    with pytest.raises(ValueError, match=rf"`model.rewards.max_error_frac` is out of range, got {frac!r}"):
+        make(rewards={"max_error_frac": frac})
 
 
 def test_scorer_records_each_failing_function_and_its_last_sample():
@@ -168,8 +168,9 @@ def test_scorer_records_each_failing_function_and_its_last_sample():
 # ------------------------------------------------------------------------------ 2. overlong shaping
 @pytest.mark.slow
 def test_overlong_penalty_mean_is_the_mean_penalty_added(tmp_path):
-    module = make(DAPO, max_new_tokens=8, overlong_buffer=4, overlong_penalty_factor=0.5,
-                  dynamic_sampling=False)
+    module = make(DAPO, sampling={"max_new_tokens": 8},
+                  rewards={"overlong_buffer": 4, "overlong_penalty_factor": 0.5},
+                  filters={"dynamic_sampling": False})
     cap = Capture()
     _, logged = logged_fit(module, tmp_path, callbacks=[cap])
     assert len(cap.rollouts) == 2
@@ -185,8 +186,8 @@ def test_overlong_penalty_mean_is_the_mean_penalty_added(tmp_path):
 def test_dapo_yaml_states_the_overlong_numbers_of_its_settings():
     text = (CONFIGS / "dapo.yaml").read_text()
     args = yaml.safe_load(text)["model"]["init_args"]
-    max_len, buffer = args["max_new_tokens"], args["overlong_buffer"]
-    factor = args.get("overlong_penalty_factor", 1.0)
+    max_len, buffer = args["sampling"]["max_new_tokens"], args["rewards"]["overlong_buffer"]
+    factor = args["rewards"].get("overlong_penalty_factor", 1.0)
     assert f"L <= {max_len} - {buffer} = {max_len - buffer}" in text
     stated = {int(n): float(v) for v, n in re.findall(r"(-\d\.\d+) at L = (\d+)", text)}
     assert len(stated) >= 2
@@ -198,22 +199,37 @@ def test_dapo_yaml_states_the_overlong_numbers_of_its_settings():
     assert stated[max_len - buffer + 1] < 0
 
 
-def model_help(capsys, cls: str) -> dict[str, str]:
-    """``lightning-rl fit --model.help <cls>``: ``{argument: its help text on one line}``."""
+ARGUMENT = re.compile(r"--model\.([\w.]+) (?:[A-Z_]+|\{[^}]*\}|\[ITEM,\.\.\.\])"
+                      r"(?:, --model\.[\w.]+\+ (?:[A-Z_]+|\[ITEM,\.\.\.\]))? ")
+
+
+def model_help(capsys, cls: str) -> tuple[dict[str, str], dict[str, str]]:
+    """``lightning-rl fit --model.help <cls>``: ``{argument: its help text on one line}`` (``rewards.
+    overlong_buffer``) and ``{group: the class's description of it on one line}`` (``rewards``)."""
     with pytest.raises(SystemExit):
         run_cli("fit", "--model.help", f"lightning_rl.algorithms.{cls}")
-    text = " ".join(capsys.readouterr().out.split())
-    parts = re.split(r" --model\.(\w+) (?:[A-Z_]+|\{[^}]*\}) ", text.split("Help for", 1)[1])
-    return dict(zip(parts[1::2], parts[2::2], strict=True))
+    arguments, groups = {}, {}
+    for block in capsys.readouterr().out.split("Help for", 1)[1].split("\n\n"):
+        lines = block.splitlines()
+        first = next((i for i, line in enumerate(lines) if line.startswith("  -")), len(lines))
+        parts = ARGUMENT.split(" ".join(" ".join(lines[first:]).split()))
+        block_arguments = dict(zip(parts[1::2], (p.strip() for p in parts[2::2]), strict=True))
+        arguments |= block_arguments
+        if block_arguments and "." in next(iter(block_arguments)):
+            groups[next(iter(block_arguments)).split(".")[0]] = " ".join(" ".join(lines[:first]).split())
+    return arguments, groups
 
 
 def test_help_describes_overlong_shaping_and_the_error_limit_truly(capsys):
-    online, dapo = model_help(capsys, "OnlineRL"), model_help(capsys, "DAPO")
+    (online, _), (dapo, dapo_groups) = model_help(capsys, "OnlineRL"), model_help(capsys, "DAPO")
     # OnlineRL: off by default, `auto` named, the penalty and its metric described
-    assert "``auto``" in online["overlong_buffer"] and "default: null" in online["overlong_buffer"]
-    assert "off" in online["overlong_buffer"] and "rollout/overlong_penalty_mean" in online["overlong_buffer"]
-    assert online["overlong_penalty_factor"].startswith("weight of the overlong penalty")
-    assert "On by default" in dapo["overlong_buffer"] and "default: auto" in dapo["overlong_buffer"]
-    assert "turns it off" in dapo["overlong_buffer"]
-    assert dapo["clip_high"].startswith("clip-higher")  # DAPO's own arguments are described too
-    assert online["max_reward_error_frac"].startswith("with ``on_reward_error: zero``, stop the run")
+    overlong = online["rewards.overlong_buffer"]
+    assert "``auto``" in overlong and "default: null" in overlong
+    assert "off" in overlong and "rollout/overlong_penalty_mean" in overlong
+    assert online["rewards.overlong_penalty_factor"].startswith("weight of the overlong penalty")
+    # DAPO: on by default (its description of its `rewards` group), `auto`, and what turns it off
+    assert "overlong punishment on: ``overlong_buffer: auto``" in dapo_groups["rewards"]
+    assert "default: auto" in dapo["rewards.overlong_buffer"]
+    assert "``None`` or 0: off" in dapo["rewards.overlong_buffer"]
+    assert dapo_groups["objective"].startswith("clip-higher")  # DAPO's own groups are described too
+    assert online["rewards.max_error_frac"].startswith("with ``on_error: zero``, stop when more than")

@@ -235,11 +235,11 @@ def test_margin_column_reaches_the_loss(network):
 
 # ---- errors -------------------------------------------------------------------------------------------
 def test_scorer_errors_name_the_key(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"`model\.reward_model`: model folder not found"):
+    with pytest.raises(FileNotFoundError, match=r"`model\.rewards\.model`: model folder not found"):
         RewardModelScorer(str(tmp_path / "missing"))
-    with pytest.raises(NotADirectoryError, match=r"`model\.reward_model`.*no config\.json"):
+    with pytest.raises(NotADirectoryError, match=r"`model\.rewards\.model`.*no config\.json"):
         RewardModelScorer(str(tmp_path))
-    with pytest.raises(ValueError, match=r"`model\.reward_model`: unknown built-in"):
+    with pytest.raises(ValueError, match=r"`model\.rewards\.model`: unknown built-in"):
         RewardModelScorer("builtin:nope")
     with pytest.raises(ValueError, match=r"`model\.model`: .*not a reward model but a LlamaForCausalLM"):
         RewardModelScorer(EMBEDDED_MODEL, key="model.model")
@@ -247,7 +247,8 @@ def test_scorer_errors_name_the_key(tmp_path):
 
 def test_a_causal_lm_folder_is_refused_by_the_scorer_and_builtin_names_warn():
     # a causal LM has no trained head: as a reward it would be random, so only `builtin:` names pass
-    with pytest.raises(ValueError, match=r"`model\.reward_model`: .*not a reward model.*reward_model\.yaml"):
+    not_a_reward_model = r"`model\.rewards\.model`: .*not a reward model.*reward_model\.yaml"
+    with pytest.raises(ValueError, match=not_a_reward_model):
         RewardModelScorer(EMBEDDED_MODEL)
     with pytest.warns(UserWarning, match="random"):
         scorer = RewardModelScorer("builtin:tiny-sort")
@@ -260,7 +261,7 @@ def test_more_than_one_label_is_refused(tmp_path):
     config.num_labels = 2
     AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"`model\.reward_model`: .* 2 labels"):
+    with pytest.raises(ValueError, match=r"`model\.rewards\.model`: .* 2 labels"):
         RewardModelScorer(str(tmp_path))
 
 

@@ -171,7 +171,7 @@ def test_scorer_raise_mode_names_function_and_sample(fn, sample):
     assert f"`{HERE}:{fn}`" in message
     assert f"sample {sample}" in message
     assert repr(PROMPTS[sample]) in message  # the prompt is quoted too
-    assert "on_reward_error" in message  # and the way out
+    assert "model.rewards.on_error" in message  # and the way out
 
 
 def test_scorer_zero_mode_scores_failed_samples_zero_and_counts_them():
@@ -198,9 +198,9 @@ def test_scorer_wrong_number_of_values_always_raises(on_error):
 
 
 @pytest.mark.parametrize(("args", "match"), [
-    (dict(fns=[]), "model.reward_fns"),
-    (dict(fns=["lightning_rl.step.rewards:exact_match"], weights=[1.0, 2.0]), "model.reward_weights"),
-    (dict(fns=["lightning_rl.step.rewards:exact_match"], on_error="ignore"), "model.on_reward_error"),
+    (dict(fns=[]), "model.rewards.functions"),
+    (dict(fns=["lightning_rl.step.rewards:exact_match"], weights=[1.0, 2.0]), "model.rewards.weights"),
+    (dict(fns=["lightning_rl.step.rewards:exact_match"], on_error="ignore"), "model.rewards.on_error"),
     (dict(fns=["lightning_rl.step.rewards:nope"]), "cannot import"),
 ])
 def test_scorer_config_errors(args, match):

@@ -22,7 +22,7 @@ def fit(tmp_path: Path, config: str, *extra: str) -> dict[str, list[tuple[int, f
 def test_warm_start_validation_is_logged_at_step_0_and_the_learning_rate_every_step(tmp_path):
     logged = fit(tmp_path, "grpo.yaml", "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
                  "--data.init_args.max_val_rows", "32", "--data.init_args.val_batch_size", "32",
-                 "--model.init_args.num_generations", "2", "--data.init_args.batch_size", "2")
+                 "--model.init_args.sampling.num_generations", "2", "--data.init_args.batch_size", "2")
     steps = dict(logged["val/accuracy"])
     assert len(steps) == 2 and min(steps) == 0  # the sanity pass starts the curve, then the check after 2
     # step 0 is the warm start: the same value `lightning-rl validate` gives on these rows
@@ -39,7 +39,7 @@ def test_learning_rate_follows_the_scheduler(tmp_path):
     # SAPO's config decays the lr linearly to 0 over max_steps = 600 optimiser steps, 2 per rollout
     logged = fit(tmp_path, "sapo.yaml", "--trainer.max_steps", "6", "--trainer.val_check_interval", "100",
                  "--trainer.num_sanity_val_steps", "0", "--data.init_args.batch_size", "2",
-                 "--model.init_args.num_generations", "2")
+                 "--model.init_args.sampling.num_generations", "2")
     lrs = [v for _, v in sorted(logged["optim/lr"])]
     # logged once per RL step (3 rollouts x 2 optimiser steps): the lr of its first optimiser step
     assert lrs == pytest.approx([2e-4 * (1 - k / 600) for k in (0, 2, 4)], rel=1e-5)
@@ -47,12 +47,13 @@ def test_learning_rate_follows_the_scheduler(tmp_path):
 
 def test_dpo_logs_the_policys_own_preference(tmp_path):
     from lightning_rl.algorithms import DPO
+    from lightning_rl.algorithms.options import PolicyOptions
     from lightning_rl.data.preference import encode_pairs
 
     rows = [json.loads(line) for line in (Path(EMBEDDED_MODEL).parent / "files" / "sort_pairs_val.jsonl")
             .read_text().splitlines()[:16]]
     batch = {k: [r[k] for r in rows] for k in ("prompt", "chosen", "rejected")}
-    dpo = DPO(model="builtin:tiny-sort", max_prompt_length=16, max_completion_length=10)
+    dpo = DPO(policy=PolicyOptions(model="builtin:tiny-sort", max_prompt_length=16), max_completion_length=10)
     enc = dpo.encode(batch)
     _, metrics = dpo.pair_loss(batch, enc)
     by_hand = encode_pairs(dpo.tokenizer, batch["prompt"], batch["chosen"], batch["rejected"],

@@ -72,7 +72,7 @@ def expected_train(module, rollout: Rollout, k: int) -> str:
 
 @pytest.mark.slow
 def test_train_and_val_tables_hold_the_steps_own_samples(tmp_path):
-    module = make(num_generations=2)
+    module = make(sampling={"num_generations": 2})
     record, samples = Record(), LogSamples(log_samples_every_n_steps=2, num_samples=3)
     logger = TensorBoardLogger(str(tmp_path), name="run")
     trainer = make_trainer(tmp_path, max_steps=3, callbacks=[samples, record], logger=logger,
@@ -133,7 +133,7 @@ def test_other_loggers_get_nothing_and_no_error(tmp_path):
     trainer = make_trainer(tmp_path, max_steps=1, callbacks=[LogSamples(log_samples_every_n_steps=1)],
                            logger=CSVLogger(str(tmp_path)), limit_val_batches=1, val_check_interval=1,
                            check_val_every_n_epoch=None)
-    trainer.fit(make(num_generations=2), datamodule(batch_size=2, max_val_rows=2))
+    trainer.fit(make(sampling={"num_generations": 2}), datamodule(batch_size=2, max_val_rows=2))
     assert not glob.glob(f"{tmp_path}/**/events.out.tfevents.*", recursive=True)
 
 
@@ -151,7 +151,7 @@ def test_shipped_config_logs_samples(tmp_path):
             "--trainer.enable_checkpointing", "false", "--trainer.num_sanity_val_steps", "0",
             "--trainer.val_check_interval", "1", "--trainer.limit_val_batches", "1",
             "--data.init_args.batch_size", "2", "--data.init_args.max_val_rows", "2",
-            "--model.init_args.num_generations", "2")
+            "--model.init_args.sampling.num_generations", "2")
     logged = texts(tmp_path)
     assert [s for s, _ in logged["samples/train"]] == [0] and [s for s, _ in logged["samples/val"]] == [1]
     assert len(logged["samples/train"][0][1].splitlines()) == 2 + 4  # num_samples: 4 (2 prompts x 2)
@@ -170,8 +170,8 @@ def test_train_and_val_tables_show_a_prompt_alike(tmp_path):
     messages = [{"role": "system", "content": "sort"}, {"role": "user", "content": "321="}]
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps({"prompt": messages, "answer": "123"}) + "\n" for _ in range(4)))
-    module = make(model=templated_model(tmp_path), chat_template=True, max_prompt_length=40,
-                  num_generations=2)
+    module = make(policy={"model": templated_model(tmp_path), "chat_template": True, "max_prompt_length": 40},
+                  sampling={"num_generations": 2})
     trainer = make_trainer(tmp_path, max_steps=1, logger=TensorBoardLogger(str(tmp_path), name="run"),
                            callbacks=[LogSamples(log_samples_every_n_steps=1, num_samples=2)],
                            limit_val_batches=1, val_check_interval=1, check_val_every_n_epoch=None)

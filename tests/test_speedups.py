@@ -32,8 +32,9 @@ class Probe(GRPO):
 
 def _grads(tmp_path, share: bool) -> tuple[dict, bool]:
     torch.manual_seed(0)
-    module = make(Probe, share_prompt_prefix=share, micro_batch_size=3, kl_coef=0.1, clip_low=0.2,
-                  clip_high=0.28, max_grad_norm=None, entropy_coef=0.01,
+    module = make(Probe, sampling={"share_prompt_prefix": share},
+                  update={"micro_batch_size": 3, "max_grad_norm": None},
+                  objective={"kl_coef": 0.1, "clip_low": 0.2, "clip_high": 0.28, "entropy_coef": 0.01},
                   optimizer=partial(torch.optim.SGD, lr=0.0))
     make_trainer(tmp_path, max_steps=1).fit(module, datamodule(batch_size=2))
     return module.grads, module.shared

@@ -62,7 +62,7 @@ def test_fake_engine_drives_the_step_without_generation(tmp_path):
     """Rewards come from the canned texts (half right, half wrong per group), advantages are the group
     z-scores of those rewards, and the policy moves."""
     engine = FakeEngine(["12345", "wrong"])
-    module = make(GRPO, engine=engine, kl_coef=0.0)
+    module = make(GRPO, engine=engine, objective={"kl_coef": 0.0})
     record = Record()
     before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
     # a fixed prompt whose answer is 12345 for every row
@@ -83,7 +83,8 @@ def test_fake_engine_drives_the_step_without_generation(tmp_path):
 
 def test_behaviour_from_engine_uses_the_engines_logprobs(tmp_path):
     engine = FakeEngine(["12345", "54321"], logp=-1.5)
-    module = make(GRPO, engine=engine, kl_coef=0.0, behaviour_logp="from_engine")
+    module = make(GRPO, engine=engine, objective={"kl_coef": 0.0},
+                  logprobs={"behaviour": "from_engine"})
     record = Record()
     make_trainer(tmp_path, max_steps=1, callbacks=[record]).fit(module, datamodule(batch_size=2))
     (rollout,) = record.rollouts
@@ -92,10 +93,10 @@ def test_behaviour_from_engine_uses_the_engines_logprobs(tmp_path):
 
 
 def test_from_engine_is_refused_for_an_engine_without_logprobs():
-    with pytest.raises(ValueError, match="behaviour_logp: from_engine"):
-        make(GRPO, behaviour_logp="from_engine")
+    with pytest.raises(ValueError, match="logprobs.behaviour: from_engine"):
+        make(GRPO, logprobs={"behaviour": "from_engine"})
     with pytest.raises(ValueError, match="on_policy"):
-        make(GRPO, behaviour_logp="on_policy", num_minibatches=2)
+        make(GRPO, logprobs={"behaviour": "on_policy"}, update={"num_minibatches": 2})
 
 
 def _rollout(module) -> Rollout:
@@ -113,7 +114,8 @@ def _rollout(module) -> Rollout:
 def test_excluding_a_middle_token_keeps_the_other_tokens_context_and_update(tmp_path):
     """A token whose behaviour log-prob is not finite leaves the loss, not the context: every token's
     log-prob is unchanged, and the update equals the loss over the remaining tokens with full context."""
-    module = make(GRPO, kl_coef=0.0, max_grad_norm=None, optimizer=partial(torch.optim.SGD, lr=0.0))
+    module = make(GRPO, objective={"kl_coef": 0.0}, update={"max_grad_norm": None},
+                  optimizer=partial(torch.optim.SGD, lr=0.0))
     make_trainer(tmp_path, max_steps=0).fit(module, datamodule(batch_size=2))  # attach a trainer
     module.policy.disable_dropout()
     rollout = _rollout(module)
@@ -143,7 +145,7 @@ def test_excluding_a_middle_token_keeps_the_other_tokens_context_and_update(tmp_
 
 def _logged(tmp_path, callbacks) -> dict[str, float]:
     torch.manual_seed(0)
-    module = make(GRPO, kl_coef=0.04, num_minibatches=2)
+    module = make(GRPO, objective={"kl_coef": 0.04}, update={"num_minibatches": 2})
     trainer = make_trainer(tmp_path, max_steps=4, callbacks=callbacks)
     trainer.fit(module, datamodule(batch_size=2))
     weights = torch.cat([p.detach().flatten() for p in module.policy.parameters()])

@@ -176,12 +176,13 @@ def test_load_tools_by_colon_or_dot_path():
     ("os.path:join", r"tool `join` takes `\*"),
 ])
 def test_load_tools_errors_name_the_key_and_entry(entry, message):
-    with pytest.raises(ValueError, match=rf"`model.tools` entry `{entry}`.*{message}"):
+    with pytest.raises(ValueError, match=rf"`model.episodes.tools` entry `{entry}`.*{message}"):
         load_tools([entry])
 
 
 def test_load_tools_refuses_duplicate_names():
-    with pytest.raises(ValueError, match=r"`model.tools` entry `lightning_rl.episodes.tools.calculator`: "
+    with pytest.raises(ValueError, match=r"`model.episodes.tools` entry "
+                                         r"`lightning_rl.episodes.tools.calculator`: "
                                          r"a tool named `calculator` is already listed"):
         load_tools(["lightning_rl.episodes.tools:calculator", "lightning_rl.episodes.tools.calculator"])
 
@@ -293,9 +294,11 @@ def test_detect_and_name_the_format():
     assert isinstance(tool_format("auto", chat_tok, True), HermesFormat)
     assert isinstance(tool_format("plain", chat_tok, True), PlainFormat)
     assert isinstance(tool_format("hermes", chat_tok, False), HermesFormat)
-    with pytest.raises(ValueError, match="`model.tool_format: hermes` needs a tokenizer with a chat"):
+    with pytest.raises(ValueError,
+                       match="`model.episodes.tool_format: hermes` needs a tokenizer with a chat"):
         tool_format("hermes", plain_tok, False)
-    with pytest.raises(ValueError, match="`model.tool_format` must be `auto`, `hermes` or `plain`, got"):
+    with pytest.raises(ValueError,
+                       match="`model.episodes.tool_format` must be `auto`, `hermes` or `plain`, got"):
         tool_format("json", chat_tok, True)
 
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_rl.text.keys import VAL_WEIGHT_KEY
 from lightning_rl.text.prompts import batch_columns, real_rows
@@ -122,35 +121,3 @@ class EvaluationSteps:
                          "correct": bool(correct[i]), "length": int(lengths[i])})
         return rows
 
-    # ---- validation metrics: exact means over held-out rows on any world size ---------------------
-    def on_validation_epoch_start(self) -> None:
-        self._val_sums: dict[str, torch.Tensor] = {}
-
-    def log_val_mean(self, name: str, value: torch.Tensor | float, weight: float) -> None:
-        """Add ``value``, a mean over ``weight`` held-out rows, to this validation's mean of ``name``.
-
-        Sums and counts are all-reduced once at the end of validation, so the logged value is the mean
-        over every held-out row exactly once (Lightning's ``sync_dist`` averages per-rank means instead).
-        """
-        sums = self._val_sums.setdefault(name, torch.zeros(2, device=self.device))
-        value = torch.as_tensor(value, dtype=torch.float32, device=self.device).detach()
-        sums += torch.stack([value * weight, value.new_tensor(weight)])
-
-    def on_validation_epoch_end(self) -> None:
-        results = {}
-        for name in sorted(self._val_sums):  # the same names on every rank: every rank ran >= 1 batch
-            total, count = self.trainer.strategy.reduce(self._val_sums[name].clone(), reduce_op="sum")
-            results[name] = total / count.clamp_min(1)
-            self.log(name, results[name], prog_bar=name in self.val_prog_bar)
-        if self.trainer.sanity_checking and results:
-            # Lightning logs nothing during the sanity pass: record it as the starting point of every curve
-            for logger in self.loggers:
-                logger.log_metrics({k: float(v) for k, v in results.items()}, step=self.global_step)
-        shown = [f"{k} = {float(results[k]):.3f}" for k in self.val_prog_bar if k in results]
-        if shown and not getattr(self, "_said_accuracy", False) and "val/accuracy" in results:
-            rank_zero_info(f"val/accuracy: the mean of {self.accuracy_name} on greedy completions")
-            self._said_accuracy = True
-        if shown:
-            rank_zero_info(f"step {self.global_step}: " + ", ".join(shown))
-
-    val_prog_bar: tuple[str, ...] = ("val/accuracy",)  # validation metrics on the progress bar and printed

@@ -35,7 +35,7 @@ class InputError(ValueError):
 
 
 def function_name(fn: Callable[..., Any]) -> str:
-    """``module:qualname`` of a function, as ``model.reward_fns`` names it."""
+    """``module:qualname`` of a function, as ``model.rewards.functions`` names it."""
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
@@ -77,26 +77,28 @@ def scored_functions(module: Any) -> list[Scored]:
     if getattr(module, "reward_pipeline", None) is not None:
         unset = module.correctness_fn is module.accuracy_fn
         decides = ("also what decides correctness (DAPO's filter, `rollout/correct_frac`, `val/accuracy`): "
-                   "`model.init_args.correctness_fn` and `model.init_args.accuracy_fn` are unset")
-        set_correctness = "set `model.init_args.correctness_fn` to a function of the columns present"
+                   "`model.init_args.rewards.correctness_fn` and `model.init_args.rewards.accuracy_fn` are "
+                   "unset")
+        set_correctness = "set `model.init_args.rewards.correctness_fn` to a function of the columns present"
         if unset:
-            note = " (the rollouts' correctness too: `model.init_args.correctness_fn` is unset)"
-            correctness = Scored("", "model.init_args.accuracy_fn", module.accuracy_fn, CORRECTNESS_EXTRAS,
-                                 note, set_correctness)
+            note = " (the rollouts' correctness too: `model.init_args.rewards.correctness_fn` is unset)"
+            correctness = Scored("", "model.init_args.rewards.accuracy_fn", module.accuracy_fn,
+                                 CORRECTNESS_EXTRAS, note, set_correctness)
         else:
-            correctness = Scored("", "model.init_args.correctness_fn", module.correctness_fn,
+            correctness = Scored("", "model.init_args.rewards.correctness_fn", module.correctness_fn,
                                  CORRECTNESS_EXTRAS, "", set_correctness)
         scorer = getattr(module, "rewards", None)
         main = str(getattr(module, "accuracy_name", ""))  # "<reward fn> (correct at its full score...)"
         for split in ("train", "val"):
             for name, fn in zip(getattr(scorer, "names", []), getattr(scorer, "fns", []), strict=True):
                 note = f" ({decides})" if unset and main.startswith(f"{name} (") else ""
-                out.append(Scored(split, "model.init_args.reward_fns", fn, REWARD_EXTRAS, note,
-                                  "remove it from `model.init_args.reward_fns`"))
+                out.append(Scored(split, "model.init_args.rewards.functions", fn, REWARD_EXTRAS, note,
+                                  "remove it from `model.init_args.rewards.functions`"))
             out.append(correctness._replace(split=split))
     elif type(module).validation_step is PolicyModule.validation_step and hasattr(module, "accuracy_fn"):
-        out.append(Scored("val", "model.init_args.accuracy_fn", module.accuracy_fn, CORRECTNESS_EXTRAS, "",
-                          "set `model.init_args.accuracy_fn` to a function of the columns present"))
+        key = "model.init_args.validation.accuracy_fn"
+        out.append(Scored("val", key, module.accuracy_fn, CORRECTNESS_EXTRAS, "",
+                          f"set `{key}` to a function of the columns present"))
     return out
 
 

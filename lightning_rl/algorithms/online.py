@@ -1,6 +1,6 @@
 """The shared online RL step: one ``training_step`` = one RL iteration, composed of stages.
 
-engine.generate -> rewards -> filters -> log-prob passes (reference, behaviour) -> values (with a critic)
+engine.generate -> rewards -> filters -> log-prob passes (reference, behaviour) -> values (PPO's)
 -> KL in the reward (optional) -> advantages (once, after filtering) -> updater -> statistics. Each stage
 is a small typed class (``lightning_rl.step.engine``, ``rewards``, ``filters``, ``logprobs``, ``estimators``,
 ``update``) chosen in YAML; none reaches into this module or the DataModule, and every one returns its
@@ -14,198 +14,113 @@ log-prob is still not finite leaves the loss (``loss_mask``), not the context (`
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
+from lightning_rl.algorithms.assembly import episode_stage, filter_stages, objective_stages, reward_stages
 from lightning_rl.algorithms.base import PolicyModule
 from lightning_rl.algorithms.evaluation import Completions
+from lightning_rl.algorithms.options import (
+    EpisodeOptions,
+    FilterOptions,
+    LogProbOptions,
+    ObjectiveOptions,
+    PolicyOptions,
+    RewardOptions,
+    SamplingOptions,
+    UpdateOptions,
+    ValidationOptions,
+)
+from lightning_rl.algorithms.presets import ONLINE_MOVED_KEYS, with_changes
 from lightning_rl.algorithms.stepping import ManualSteps
-from lightning_rl.episodes.environments import Environment, EpisodeBatch, episode_runner
-from lightning_rl.episodes.tools import HermesFormat
-from lightning_rl.maths.advantages import KLEstimator
-from lightning_rl.maths.aggregation import Aggregation, aggregate, masked_mean
-from lightning_rl.maths.objective import Objective
-from lightning_rl.maths.ratio_levels import RatioLevel
-from lightning_rl.maths.trust_regions import TrustRegion
+from lightning_rl.episodes.sampler import PolicyIO, Sampler
 from lightning_rl.models.generation import SamplingParams
-from lightning_rl.models.reward_model import RewardModelScorer
 from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.correction import RolloutCorrection
 from lightning_rl.step.engine import RolloutEngine
-from lightning_rl.step.estimators import AdvantageEstimator, GroupNormalized, KLInReward
-from lightning_rl.step.filters import DynamicSampling, RolloutFilter
-from lightning_rl.step.logprobs import BehaviourSource, LogProbPasses, resolve_behaviour, score_values
-from lightning_rl.step.rewards import FullScore, RewardPipeline, RewardScorer, import_reward, overlong_shaping
+from lightning_rl.step.estimators import AdvantageEstimator, GroupNormalized
+from lightning_rl.step.logprobs import LogProbPasses, resolve_behaviour
 from lightning_rl.step.rollout import Rollout, exclude_nonfinite, merge_stats
-from lightning_rl.step.update import TrainedModel, Updater
-from lightning_rl.text.prompts import batch_columns, render_prompts
+from lightning_rl.step.update import TrainedModel, Updater, policy_loss
+from lightning_rl.text.prompts import render_prompts
 
 
 class OnlineRL(ManualSteps, PolicyModule):
-    """Online RL on prompts with verifiable or model-scored rewards (GRPO family; PPO adds a critic).
+    """Online RL on prompts with verifiable or model-scored rewards (GRPO family; PPO adds a value model).
+
+    Each argument is one group of options (``lightning_rl.algorithms.options``), a nested mapping in YAML
+    (``model.init_args.sampling.temperature``); a preset changes the defaults of a few groups.
 
     Args:
-        num_generations: samples per prompt (G), at least the estimator's ``min_group_size``.
-        temperature, top_p, top_k: sampling; log-probs are scored at ``temperature``, unfiltered.
-        engine: the rollout engine (``class_path``); default ``lightning_rl.step.engine.HFEngine``.
-        reward_fns, reward_weights: reward functions by import path and their weights (default
-            ``exact_match``, or none with a ``reward_model``).
-        reward_model, reward_model_weight: a one-label sequence-classification folder whose weighted score
-            of the rendered prompt + completion is added (kept out of checkpoints and optimisers).
-        correctness_fn: decides ``rollout.correct`` (filters, ``rollout/correct_frac``); ``None`` uses
-            ``accuracy_fn``, which when unset follows the main reward function (the first of the largest
-            weight): a sample is correct where it scores 1.0 or more. Validation, DAPO's filter and predict
-            then agree with the reward.
-        on_reward_error: ``raise`` stops on a reward function error or NaN; ``zero`` scores it 0, counts it
-            in ``rollout/reward_errors`` and warns, naming the function and its last error.
-        max_reward_error_frac: with ``on_reward_error: zero``, stop the run when more than this fraction (in
-            [0, 1]) of a step's samples, counted over all ranks, had a failed reward.
-        overlong_buffer: DAPO's soft overlong punishment over the last this-many tokens of ``max_new_tokens``
-            (``advantages.overlong_penalty``): ``None`` (default here) or 0: off; ``auto``: a fifth of
-            ``max_new_tokens``, at least 1. Logged as ``rollout/overlong_penalty_mean``.
-        overlong_penalty_factor: weight of the overlong penalty added to the reward.
-        mask_truncated: leave completions that hit ``max_new_tokens`` out of the loss.
-        dynamic_sampling, max_gen_batches: DAPO's filter (``lightning_rl.step.filters.DynamicSampling``).
-        filters: more rollout filters (``class_path``), applied after dynamic sampling.
-        advantage: the estimator (``class_path``, ``lightning_rl.step.estimators``); default group z-score.
-        behaviour_logp: ``auto``, ``recompute``, ``from_engine`` or ``on_policy``
-            (``lightning_rl.step.logprobs``).
-        rollout_correction: importance weights for an engine that is not the trained module
-            (``lightning_rl.step.correction.RolloutCorrection``; default token-level, truncated at 2.0).
-        ppo_epochs, num_minibatches, micro_batch_size, max_grad_norm: the updater
-            (``lightning_rl.step.update``).
-        ratio_level, trust_region, clip_low, clip_high, clip_ratio_c, tau_pos, tau_neg, aggregation,
-            kl_coef, kl_estimator: the objective axes, see :class:`lightning_rl.maths.objective.Objective`.
-        kl_clamp: the per-token KL term in the loss is clamped to ``[-kl_clamp, kl_clamp]`` (``null``, the
-            default: off; verl clamps its low-variance KL at 10); ``policy/kl_clamp_frac`` says how often it
-            bites, ``policy/kl_ref_max`` the largest per-token KL (logged whenever a reference is scored).
-        kl_in_reward, kl_target, kl_horizon: the KL to the reference as a per-token reward penalty
-            (``kl_coef``, ``kl_estimator``) instead of the loss term, optionally adaptive
-            (``lightning_rl.step.estimators.KLInReward``).
-        entropy_coef: weight of an entropy bonus aggregated like the loss (0: off; always logged).
-        share_prompt_prefix: run each distinct prompt once in sampling and scoring (same numbers; off
-            under FSDP2 / ZeRO-3, and for scoring under gradient checkpointing).
-        rollout_seed: sampling is seeded by (this, step, round, rank): a resumed run samples the same.
-        environment: multi-turn episodes (``lightning_rl.episodes.environments.Environment`` as
-            ``class_path``): the
-            environment answers each model turn without a tool call; its step and final rewards are added to
-            the reward functions' (``reward_fns: []`` for the environment's alone).
-        tools: callables the model may call (``package.module:function``; ``lightning_rl.episodes.tools``),
-            their
-            schemas rendered by the chat template where it supports tools; with tools or an environment
-            every rollout, validation and prediction is an episode (``lightning_rl.episodes.environments``).
-        max_turns: model turns per episode; ``max_new_tokens`` is then the budget of one turn.
-        max_episode_tokens: tokens after the prompt (model and observation tokens) per episode; an episode
-            that would pass it ends ``truncated``. ``None``: ``max_turns * max_new_tokens``.
-        tool_format: ``auto`` (Hermes ``<tool_call>`` JSON through a chat template that supports tools, else
-            the plain ``<tool>name(args)</tool>`` format), ``hermes`` or ``plain``
-            (``lightning_rl.episodes.tools``).
-        tool_timeout: seconds a tool call may take; a slower call answers an error observation.
-        on_env_error: ``raise`` stops on an environment exception, naming it and the episode; ``zero`` ends
-            the episode with return 0 and counts it in ``rollout/env_errors``.
-        **kwargs: see :class:`~lightning_rl.algorithms.base.PolicyModule`.
+        policy: the model, its dtype, adapters, prompt length and sharding.
+        sampling: G, the token budget, temperature / top-p / top-k, prompt sharing, the seed.
+        rewards: reward functions and weights, a reward model, overlong shaping, correctness, error policy.
+        episodes: multi-turn episodes with an environment and / or tools (off unless one is set).
+        objective: the policy loss (ratio level, trust region, aggregation, KL, entropy).
+        advantage: the estimator (``class_path``, ``lightning_rl.step.estimators``); ``None``: the preset's
+            (group z-score here).
+        filters: dynamic sampling, overlong filtering and more rollout filters.
+        logprobs: the behaviour log-probs' source and the rollout correction.
+        update: epochs, minibatches, micro-batch size, gradient clipping.
+        engine: what samples rollouts, validation and predictions (``class_path``; ``None``: ``HFEngine``).
+        optimizer: the policy's optimiser factory (``class_path`` + ``init_args``); AdamW by default.
+        lr_scheduler: the policy's LR scheduler factory, stepped once per optimiser step.
     """
 
+    moved_keys: ClassVar[dict[str, str]] = ONLINE_MOVED_KEYS
+
     def __init__(
-        self, *args: Any, num_generations: int = 8, temperature: float = 1.0, top_p: float = 1.0,
-        top_k: int = 0, engine: RolloutEngine | None = None, reward_fns: list[str] | None = None,
-        reward_weights: list[float] | None = None, reward_model: str | None = None,
-        reward_model_weight: float = 1.0, correctness_fn: str | None = None,
-        on_reward_error: Literal["raise", "zero"] = "raise", max_reward_error_frac: float = 0.5,
-        overlong_buffer: int | Literal["auto"] | None = None, overlong_penalty_factor: float = 1.0,
-        mask_truncated: bool = False, dynamic_sampling: bool = False, max_gen_batches: int = 3,
-        filters: list[RolloutFilter] | None = None, advantage: AdvantageEstimator | None = None,
-        behaviour_logp: BehaviourSource = "auto", rollout_correction: RolloutCorrection | None = None,
-        ppo_epochs: int = 1, num_minibatches: int = 1, micro_batch_size: int | None = None,
-        max_grad_norm: float | None = 1.0, ratio_level: RatioLevel = "token",
-        trust_region: TrustRegion = "clip", clip_low: float = 0.2, clip_high: float = 0.2,
-        clip_ratio_c: float | None = None, tau_pos: float = 1.0, tau_neg: float = 1.05,
-        aggregation: Aggregation = "seq-mean-token-mean", kl_coef: float = 0.0,
-        kl_estimator: KLEstimator = "k3", kl_clamp: float | None = None, kl_in_reward: bool = False,
-        kl_target: float | None = None, kl_horizon: int = 10000, entropy_coef: float = 0.0,
-        share_prompt_prefix: bool = True,
-        rollout_seed: int = 0, environment: Environment | None = None, tools: list[str] | None = None,
-        max_turns: int = 4, max_episode_tokens: int | None = None,
-        tool_format: Literal["auto", "hermes", "plain"] = "auto", tool_timeout: float = 10.0,
-        on_env_error: Literal["raise", "zero"] = "raise", **kwargs: Any,
+        self, policy: PolicyOptions = PolicyOptions(), sampling: SamplingOptions = SamplingOptions(),
+        rewards: RewardOptions = RewardOptions(), episodes: EpisodeOptions = EpisodeOptions(),
+        objective: ObjectiveOptions = ObjectiveOptions(), advantage: AdvantageEstimator | None = None,
+        filters: FilterOptions = FilterOptions(), logprobs: LogProbOptions = LogProbOptions(),
+        update: UpdateOptions = UpdateOptions(), engine: RolloutEngine | None = None,
+        optimizer: OptimizerCallable = torch.optim.AdamW, lr_scheduler: LRSchedulerCallable | None = None,
     ) -> None:
-        super().__init__(*args, engine=engine, **kwargs)
+        validation = ValidationOptions(sampling.max_new_tokens, rewards.accuracy_fn)
+        super().__init__(policy, validation, engine, optimizer, lr_scheduler)
         self.automatic_optimization = False
         self.advantage = advantage if advantage is not None else GroupNormalized()
-        check_keys(num_generations, self.advantage, entropy_coef, temperature, kl_in_reward, kl_coef,
-                   kl_target, kl_horizon)
-        self.num_generations, self.sampling = num_generations, self.sampling_params(temperature, top_p, top_k)
-        self.init_objective(ratio_level, trust_region, clip_low, clip_high, clip_ratio_c, tau_pos, tau_neg,
-                            aggregation, kl_coef, kl_estimator, kl_clamp, kl_in_reward, kl_target, kl_horizon)
-        self.updater = Updater(ppo_epochs, num_minibatches, micro_batch_size, max_grad_norm)
-        self.init_episodes(environment, tools, max_turns, max_episode_tokens, tool_format, tool_timeout,
-                           on_env_error)
-        self.init_rewards(reward_fns, reward_weights, reward_model, correctness_fn, on_reward_error,
-                          max_reward_error_frac, kwargs.get("accuracy_fn"), environment)
-        remote = kwargs.get("trust_remote_code", False)
-        self.reward_pipeline = self.reward_stage(reward_model, reward_model_weight, overlong_buffer,
-                                                 overlong_penalty_factor, remote)
-        self.filters = ([DynamicSampling(max_gen_batches)] if dynamic_sampling else []) + list(filters or [])
-        self.behaviour_logp = behaviour_logp
-        self.correction = rollout_correction if rollout_correction is not None else RolloutCorrection()
-        resolve_behaviour(behaviour_logp, self.updater.updates_per_rollout, self.engine)  # fails early
-        self.mask_truncated, self.entropy_coef = mask_truncated, entropy_coef
-        self.share_prompt_prefix, self.rollout_seed = share_prompt_prefix, rollout_seed
-        self.critic: Any = None  # PPO's value model: a second trained model
+        G, least = sampling.num_generations, self.advantage.min_group_size
+        if G < least:
+            raise ValueError(f"`model.sampling.num_generations` must be >= {least} for "
+                             f"{type(self.advantage).__name__} advantages, got {G}")
+        self.num_generations = sampling.num_generations
+        self.sampling = self.sampling_params(sampling.temperature, sampling.top_p, sampling.top_k)
+        self.objective, self.kl_reward = objective_stages(objective)
+        self.updater = Updater(update.epochs, update.num_minibatches, update.micro_batch_size,
+                               update.max_grad_norm)
+        self.episodes, self.prompt_tools = episode_stage(
+            episodes, tokenizer=self.tokenizer, chat=self.chat_template, max_new_tokens=self.max_new_tokens,
+            max_prompt_length=self.max_prompt_length, context=self.policy.context_length)
+        budget = self.episodes.max_episode_tokens if self.episodes is not None else self.max_new_tokens
+        stages = reward_stages(rewards, environment_only=episodes.environment is not None, budget=budget,
+                               render=self.render_for_reward_model,
+                               trust_remote_code=policy.trust_remote_code)
+        self.rewards, self.reward_pipeline = stages.scorer, stages.pipeline
+        self.accuracy_fn, self.accuracy_name = stages.accuracy_fn, stages.accuracy_name
+        self.correctness_fn = stages.correctness_fn
+        self.filters = filter_stages(filters)
+        self.behaviour_logp = logprobs.behaviour
+        self.correction = logprobs.correction if logprobs.correction is not None else RolloutCorrection()
+        resolve_behaviour(logprobs.behaviour, self.updater.updates_per_rollout, self.engine)  # fails early
+        self.entropy_coef = objective.entropy_coef
+        self.share_prompt_prefix, self.rollout_seed = sampling.share_prompt_prefix, sampling.seed
+        self.sampler = Sampler(self.num_generations, self.sampling, self.reward_pipeline, self.episodes,
+                               filters.mask_truncated)
         # The reference: the policy as loaded (resuming too), frozen, out of checkpoints and optimisers; built
         # for fit only (`setup`), so validate and predict never hold a copy they do not use.
         self.needs_reference = self.objective.needs_reference or self.kl_reward is not None
         self.__dict__["_reference"] = None
         self._generation_round = 0
 
-    def init_objective(
-        self, ratio_level: RatioLevel, trust_region: TrustRegion, clip_low: float, clip_high: float,
-        clip_ratio_c: float | None, tau_pos: float, tau_neg: float, aggregation: Aggregation, kl_coef: float,
-        kl_estimator: KLEstimator, kl_clamp: float | None, kl_in_reward: bool, kl_target: float | None,
-        kl_horizon: int,
-    ) -> None:
-        """``objective`` (the loss; its KL term off when the KL is in the reward) and ``kl_reward`` (the
-        KL-in-reward penalty: ``None`` unless ``kl_in_reward`` with ``kl_coef`` > 0)."""
-        self.objective = Objective(  # with the KL in the reward, not in the loss
-            ratio_level=ratio_level, trust_region=trust_region, clip_low=clip_low, clip_high=clip_high,
-            clip_ratio_c=clip_ratio_c, tau_pos=tau_pos, tau_neg=tau_neg, aggregation=aggregation,
-            kl_coef=0.0 if kl_in_reward else kl_coef, kl_estimator=kl_estimator, kl_clamp=kl_clamp)
-        in_reward = kl_in_reward and kl_coef > 0
-        self.kl_reward = KLInReward(kl_coef, kl_estimator, kl_target, kl_horizon) if in_reward else None
-
-    def init_episodes(
-        self, environment: Environment | None, tools: list[str] | None, max_turns: int,
-        max_episode_tokens: int | None, tool_format: Literal["auto", "hermes", "plain"], tool_timeout: float,
-        on_env_error: Literal["raise", "zero"],
-    ) -> None:
-        """``episodes`` (``None`` without an environment or tools) and, for the Hermes tool format, the tool
-        schemas the chat template renders into prompts (``prompt_tools``)."""
-        self.episodes = episode_runner(
-            environment, tools, tokenizer=self.tokenizer, chat=self.chat_template, max_turns=max_turns,
-            max_new_tokens=self.max_new_tokens, max_episode_tokens=max_episode_tokens,
-            max_prompt_length=self.max_prompt_length, context=self.policy.context_length,
-            tool_format=tool_format, tool_timeout=tool_timeout, on_env_error=on_env_error)
-        if self.episodes is not None and isinstance(self.episodes.format, HermesFormat):
-            self.prompt_tools = [t.schema for t in self.episodes.tools.values()] or None
-
-    def init_rewards(
-        self, reward_fns: list[str] | None, reward_weights: list[float] | None, reward_model: str | None,
-        correctness_fn: str | None, on_reward_error: Literal["raise", "zero"], max_reward_error_frac: float,
-        accuracy_fn: str | None, environment: Environment | None,
-    ) -> None:
-        """``rewards`` (the reward functions' scorer; ``None`` for a reward model's or an environment's
-        rewards alone) and ``correctness_fn``; an unset ``accuracy_fn`` follows the main reward function."""
-        default = None if reward_model else ["lightning_rl.step.rewards:exact_match"]
-        functions = reward_fns if reward_fns is not None else default
-        if functions == [] and self.episodes is not None and environment is not None:
-            functions = None  # the environment's rewards alone
-        self.rewards = RewardScorer(functions, reward_weights, on_reward_error, max_reward_error_frac) \
-            if functions is not None else None
-        if accuracy_fn is None and self.rewards is not None:  # follow the main reward function
-            self.accuracy_fn = main_reward(self.rewards)
-            self.accuracy_name = repr(self.accuracy_fn)
-        self.correctness_fn = import_reward(correctness_fn) if correctness_fn else self.accuracy_fn
+    @classmethod
+    def configured(cls, **changes: Any) -> OnlineRL:
+        """This preset with some fields of its groups changed, as a YAML would: ``DAPO.configured(sampling=
+        {"num_generations": 4})`` keeps DAPO's other defaults (a group given whole replaces the default)."""
+        return cls(**with_changes(cls, changes))
 
     def setup(self, stage: str) -> None:
         """``fit``: build the reference now, before Lightning loads a resumed checkpoint's trained weights."""
@@ -218,19 +133,6 @@ class OnlineRL(ManualSteps, PolicyModule):
         if self._reference is None and self.needs_reference:
             self.__dict__["_reference"] = self.policy.reference()
         return self._reference
-
-    def reward_stage(self, reward_model: str | None, weight: float, overlong_buffer: int | str | None,
-                     overlong_factor: float, trust_remote_code: bool) -> RewardPipeline:
-        """The rewards stage over ``self.rewards`` and ``self.correctness_fn``; a reward model is a plain
-        object (never checkpointed or optimised)."""
-        scorer = None
-        if reward_model:
-            scorer = RewardModelScorer(reward_model, trust_remote_code=trust_remote_code)
-        budget = self.episodes.max_episode_tokens if self.episodes is not None else self.max_new_tokens
-        overlong = overlong_shaping(overlong_buffer, overlong_factor, budget)
-        return RewardPipeline(self.rewards, self.correctness_fn, reward_model=scorer,
-                              reward_model_weight=weight, render=self.render_for_reward_model,
-                              overlong=overlong)
 
     def render_for_reward_model(self, prompts: list[Any]) -> tuple[list[str], bool]:
         texts = render_prompts(self.tokenizer, prompts, self.chat_template)
@@ -251,7 +153,8 @@ class OnlineRL(ManualSteps, PolicyModule):
         passes = LogProbPasses(behaviour, self.sampling.temperature, self.updater.micro_batch_size)
         rollout, extra = passes(rollout, self.policy, self.reference_policy(), collectives)
         rollout, excluded = exclude_nonfinite(rollout)
-        extra.update(self.correction(rollout))
+        rollout, weights = self.correction(rollout)
+        extra.update(weights)
         rollout, more = self.estimate(rollout, collectives)
         self.observe(rollout)
         update_start = time.perf_counter()
@@ -269,53 +172,29 @@ class OnlineRL(ManualSteps, PolicyModule):
         self.reward_pipeline.warn_if_slow(stats.get("perf/reward_time", 0.0), step_time)  # once per run
         self.end_step(stats)
 
+    def policy_io(self) -> PolicyIO:
+        """The sampler's handles on the policy, through the engine attached now."""
+        engine = self.attach_engine()
+        synced = bool(getattr(engine, "synced", False))
+        return PolicyIO(self.encode_prompts, engine.generate, self.decode, synced)
+
     def sample(self, batch: dict[str, list], collectives: Collectives | None,
                decide: bool = True) -> tuple[Rollout, dict[str, float]]:
-        """The engine's G samples per prompt of ``batch``, scored by the reward pipeline (``decide``: the
-        reward-failure limit, on the step's first batch only)."""
-        G, prompts = self.num_generations, batch["prompt"]
+        """The sampler's rollout of ``batch``, seeded by (seed, step, round, rank): a resumed run samples
+        the same (``decide``: the reward-failure limit, on the step's first round only)."""
         seed = hash((self.rollout_seed, self.trainer.fit_loop.total_batch_idx, self._generation_round,
                      self.global_rank)) % 2**31
         self._generation_round += 1
-        start = time.perf_counter()
-        columns = {k: [v for v in vals for _ in range(G)] for k, vals in batch_columns(batch).items()}
-        episodes = None
-        if self.episodes is not None:
-            episodes = self.run_episodes(batch, G, self.sampling, seed, collectives)
-            gen, texts, columns["turns"] = episodes.generation, episodes.texts, episodes.turns
-        else:
-            gen = self.generate(prompts, num_samples=G, sampling=self.sampling, seed=seed)
-            texts = self.decode(gen.completion_ids, gen.completion_mask)
-        gen_time = time.perf_counter() - start
-        result = self.reward_pipeline([p for p in prompts for _ in range(G)], texts, gen.lengths.tolist(),
-                                      columns, collectives=collectives, decide=decide)
-        rewards, correct, stats = result.rewards, result.correct, result.stats
-        if episodes is not None:
-            rewards, correct = rewards + episodes.returns, episodes.correct(correct)
-            stats = {**stats, **episodes.stats}
-            gen_time -= stats["perf/env_time"]
-        group_ids = torch.arange(len(prompts), device=self.device).repeat_interleave(G)
-        rollout = Rollout.from_generation(gen, group_ids, rewards.to(self.device), correct.to(self.device),
-                                          self.mask_truncated)
-        sampled = gen.lengths if gen.model_mask is None else gen.model_mask.sum(-1)
-        return rollout, {**stats, "perf/generation_time": gen_time,
-                         "perf/generated_tokens": float(sampled.sum())}
-
-    def run_episodes(self, batch: dict[str, list], num_samples: int, sampling: SamplingParams,
-                     seed: int | None, collectives: Collectives | None) -> EpisodeBatch:
-        """``num_samples`` episodes per prompt row of ``batch`` with the module's engine."""
-        rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
-        self.attach_engine()
-        return self.episodes(rows, num_samples=num_samples, sampling=sampling, seed=seed,
-                             encode=self.encode_prompts, generate=self.engine.generate,
-                             collectives=collectives, synced=bool(getattr(self.engine, "synced", False)))
+        return self.sampler(batch, self.policy_io(), seed=seed, collectives=collectives, decide=decide,
+                            device=self.device)
 
     def complete(self, batch: dict[str, list], *, num_samples: int = 1, sampling: SamplingParams,
                  seed: int | None = None) -> Completions:
         """Validation and predict: whole episodes when the module has an environment or tools."""
         if self.episodes is None:
             return super().complete(batch, num_samples=num_samples, sampling=sampling, seed=seed)
-        done = self.run_episodes(batch, num_samples, sampling, seed, Collectives(self._trainer))
+        done = self.sampler.run_episodes(batch, self.policy_io(), num_samples=num_samples, sampling=sampling,
+                                         seed=seed, collectives=Collectives(self._trainer))
         return Completions(done.texts, done.generation.lengths.tolist(), done.turns, done.returns.tolist())
 
     def refill(self) -> tuple[Rollout, dict[str, float]]:
@@ -329,35 +208,27 @@ class OnlineRL(ManualSteps, PolicyModule):
         return rollout, stats
 
     def estimate(self, rollout: Rollout, collectives: Collectives) -> tuple[Rollout, dict[str, float]]:
-        """Values (with a critic), the KL-in-reward penalty, then advantages: once, after filtering."""
+        """The stages before the advantages (PPO's values; the KL-in-reward penalty), then the
+        advantages: once, after filtering."""
         stats: dict[str, float] = {}
-        if self.critic is not None:
-            rollout.values = score_values(self.critic, rollout, self.updater.micro_batch_size, collectives)
-        if self.kl_reward is not None:
-            rollout.token_rewards, stats = self.kl_reward(rollout, collectives)
-        rollout.advantages, extra = self.advantage(rollout, collectives)
+        for stage in self.before_advantages():
+            rollout, extra = stage(rollout, collectives)
+            stats.update(extra)
+        rollout, extra = self.advantage(rollout, collectives)
         return rollout, {**stats, **extra}
 
+    def before_advantages(self) -> list[Any]:
+        """Stages ``(rollout, collectives) -> (rollout, stats)`` run before the advantage estimator."""
+        return [self.kl_reward] if self.kl_reward is not None else []
+
     def trained_models(self) -> list[TrainedModel]:
-        """What the updater trains: the policy (PPO adds its critic)."""
+        """What the updater trains: the policy (and the companions, for presets that have them)."""
         return [TrainedModel("policy", self.policy, self.optimizers(), self.policy_loss, ("policy/loss",))]
 
     def policy_loss(self, micro: Rollout, num_tokens: torch.Tensor,
                     num_seqs: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """The objective (normalised by the minibatch's global counts) minus the entropy bonus."""
-        logp, entropy = self.policy.token_logprobs(micro.prompt_ids, micro.prompt_mask, micro.completion_ids,
-                                                   micro.attention_mask, with_entropy=True,
-                                                   temperature=self.sampling.temperature)
-        old_logp = micro.old_logp if micro.old_logp is not None else logp.detach()
-        loss, metrics = self.objective(logp, old_logp, micro.ref_logp, micro.advantages, micro.loss_mask,
-                                       num_tokens=num_tokens, num_seqs=num_seqs,
-                                       token_weights=micro.is_weights)
-        if self.entropy_coef:
-            loss = loss - self.entropy_coef * aggregate(entropy, micro.loss_mask, self.objective.aggregation,
-                                                        num_tokens=num_tokens, num_seqs=num_seqs)
-        metrics["policy/entropy"] = masked_mean(entropy.detach(), micro.loss_mask.bool())
-        metrics["policy/loss"] = loss
-        return loss, metrics
+        return policy_loss(self.policy, micro, self.objective, self.entropy_coef, self.sampling.temperature,
+                           num_tokens, num_seqs)
 
     def correct(self, prompts: list[Any], completions: list[str], columns: dict[str, list]) -> list[Any]:
         """Per-completion correctness by ``correctness_fn``: rollouts and ``val/accuracy`` alike."""
@@ -368,25 +239,3 @@ class OnlineRL(ManualSteps, PolicyModule):
         rewards, _ = self.reward_pipeline.score(batch["prompt"], done.texts, done.lengths, columns)
         self.log_val_mean("val/reward_mean", torch.tensor(done.with_returns(rewards.tolist())).mean(), weight)
 
-
-def main_reward(scorer: RewardScorer) -> FullScore:
-    """Correctness by the first reward function of the largest weight, at its full score."""
-    best = max(range(len(scorer.fns)), key=lambda i: (scorer.weights[i], -i))
-    return FullScore(scorer.names[best], scorer.fns[best])
-
-
-def check_keys(num_generations: int, advantage: AdvantageEstimator, entropy_coef: float, temperature: float,
-               kl_in_reward: bool, kl_coef: float, kl_target: float | None, kl_horizon: int) -> None:
-    """Ranges and combinations of ``OnlineRL``'s own keys, each error naming its YAML key."""
-    if num_generations < advantage.min_group_size:
-        raise ValueError(f"`model.num_generations` must be >= {advantage.min_group_size} for "
-                         f"{type(advantage).__name__} advantages, got {num_generations}")
-    checks = {"entropy_coef": entropy_coef >= 0, "temperature": temperature > 0,
-              "kl_horizon": kl_horizon >= 1, "kl_target": kl_target is None or kl_target > 0,
-              "kl_coef": kl_coef >= 0}
-    for key, ok in checks.items():
-        if not ok:
-            raise ValueError(f"`model.{key}` is out of range, got {locals()[key]}")
-    if kl_target is not None and not (kl_in_reward and kl_coef > 0):
-        raise ValueError("`model.kl_target` (adaptive KL) needs `model.kl_in_reward: true` and "
-                         "`model.kl_coef` > 0")

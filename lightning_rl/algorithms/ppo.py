@@ -1,81 +1,81 @@
 """PPO with a learned critic (Schulman et al., 2017; Ouyang et al., 2022, InstructGPT), on the shared step.
 
-The step is :class:`~lightning_rl.algorithms.online.OnlineRL`'s; PPO adds a second trained model. Values
-come from the critic, the KL to the reference is a per-token penalty in the reward by default
-(``KLInReward``, fixed or adaptive), advantages are GAE's (``lightning_rl.step.estimators.GAE``, whitened over
-all ranks), and the updater steps the policy (PPO-Clip, optional entropy bonus) and the critic (clipped
-value loss) with their own optimisers, learning rates and schedulers. One trainer step is one update;
-during ``critic_warmup`` only the critic learns.
+The step is :class:`~lightning_rl.algorithms.online.OnlineRL`'s; PPO adds a companion, the critic, trained
+beside the policy with its own optimiser, and the stage that scores its values before the advantages. The
+KL to the reference is a per-token penalty in the reward by default (``KLInReward``, fixed or adaptive),
+advantages are GAE's (``lightning_rl.step.estimators.GAE``, whitened over all ranks), and the updater steps
+the policy (PPO-Clip, optional entropy bonus) and the critic (clipped value loss). One trainer step is one
+update; during ``critic.warmup`` only the critic learns.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from lightning_rl.algorithms.online import OnlineRL
-from lightning_rl.maths.advantages import KLEstimator
-from lightning_rl.maths.aggregation import Aggregation
+from lightning_rl.algorithms.options import (
+    CriticOptions,
+    ObjectiveOptions,
+    SamplingOptions,
+)
+from lightning_rl.algorithms.presets import PPO_MOVED_KEYS
+from lightning_rl.algorithms.stepping import Companion
 from lightning_rl.maths.losses import value_loss
 from lightning_rl.models.critic import load_critic
 from lightning_rl.models.scoring import enable_gradient_checkpointing
 from lightning_rl.models.sharding import zero_loss
 from lightning_rl.step.estimators import GAE, AdvantageEstimator
+from lightning_rl.step.logprobs import CriticValues
 from lightning_rl.step.rollout import Rollout
 from lightning_rl.step.update import TrainedModel
+
+PPO_OBJECTIVE = ObjectiveOptions(aggregation="token-mean", kl_coef=0.05, kl_estimator="k1", kl_in_reward=True)
 
 
 class PPO(OnlineRL):
     """PPO with a critic (value model) and GAE; any reward functions and / or a reward model.
 
     Args:
-        num_generations: completions per prompt (1 is enough: the critic is the baseline).
-        critic_model: where the critic starts: ``None`` copies the policy's weights (fresh scalar head); else
-            a folder or hub id that ``AutoModelForTokenClassification`` loads with one label (a causal LM, a
-            reward model from ``configs/reward_model.yaml``, a saved critic) with the policy's vocabulary.
-        critic_optimizer, critic_lr_scheduler: the critic's optimiser and scheduler factories.
-        vf_coef: weight of the value loss.
-        value_clip: clip range around the rollout-time values (``None``: off).
-        gamma, lam, whiten_advantages: GAE's discount and lambda, and global whitening (``advantage`` unset).
-        kl_in_reward, kl_coef, kl_estimator, kl_target, kl_horizon: the KL to the reference, by default a
-            per-token ``k1`` penalty in the reward; ``kl_in_reward: false`` uses the in-loss term.
-        critic_warmup: rollouts at the start during which only the critic learns.
-        aggregation, clip_low, clip_high: the policy objective (PPO-Clip, ``token-mean`` as verl).
+        critic: the value model, its optimiser and its loss (:class:`~lightning_rl.algorithms.options.
+            CriticOptions`).
+        sampling: one completion per prompt by default (the critic is the baseline).
+        objective: PPO-Clip with ``token-mean`` (as verl) and the KL to the reference as a per-token ``k1``
+            penalty in the reward (``kl_in_reward: false`` puts it in the loss).
+        advantage: ``None``: GAE (``gamma`` 1.0, ``lam`` 0.95, whitened); set
+            ``lightning_rl.step.estimators.GAE`` with other ``init_args`` to change them.
         **kwargs: see :class:`~lightning_rl.algorithms.online.OnlineRL`.
     """
 
+    moved_keys: ClassVar[dict[str, str]] = PPO_MOVED_KEYS
+
     def __init__(
-        self, *args: Any, num_generations: int = 1, critic_model: str | None = None,
-        critic_optimizer: OptimizerCallable = torch.optim.AdamW,
-        critic_lr_scheduler: LRSchedulerCallable | None = None, vf_coef: float = 0.5,
-        value_clip: float | None = 0.2, gamma: float = 1.0, lam: float = 0.95, whiten_advantages: bool = True,
-        advantage: AdvantageEstimator | None = None, kl_in_reward: bool = True, kl_coef: float = 0.05,
-        kl_estimator: KLEstimator = "k1", critic_warmup: int = 0, aggregation: Aggregation = "token-mean",
-        clip_low: float = 0.2, clip_high: float = 0.2, **kwargs: Any,
+        self, *args: Any, critic: CriticOptions = CriticOptions(),
+        sampling: SamplingOptions = SamplingOptions(num_generations=1),
+        objective: ObjectiveOptions = PPO_OBJECTIVE, advantage: AdvantageEstimator | None = None,
+        **kwargs: Any,
     ) -> None:
-        advantage = advantage if advantage is not None else GAE(gamma, lam, whiten_advantages)
-        super().__init__(*args, num_generations=num_generations, advantage=advantage,
-                         kl_in_reward=kl_in_reward,
-                         kl_coef=kl_coef, kl_estimator=kl_estimator, aggregation=aggregation,
-                         clip_low=clip_low, clip_high=clip_high, **kwargs)
-        checks = {"vf_coef": vf_coef > 0, "kl_coef": kl_coef >= 0, "critic_warmup": critic_warmup >= 0,
-                  "value_clip": value_clip is None or value_clip > 0}
-        for key, ok in checks.items():
-            if not ok:
-                raise ValueError(f"`model.{key}` is out of range, got {locals()[key]}")
-        remote = kwargs.get("trust_remote_code", False)
-        self.critic = load_critic(critic_model, self.policy, trust_remote_code=remote)
-        if kwargs.get("gradient_checkpointing"):
+        super().__init__(*args, sampling=sampling, objective=objective,
+                         advantage=advantage if advantage is not None else GAE(), **kwargs)
+        held = self.policy_options
+        self.critic = load_critic(critic.model, self.policy, trust_remote_code=held.trust_remote_code)
+        if held.gradient_checkpointing:
             enable_gradient_checkpointing(self.critic.model)
-        self.critic_optimizer_factory, self.critic_scheduler_factory = critic_optimizer, critic_lr_scheduler
-        self.vf_coef, self.value_clip, self.critic_warmup = vf_coef, value_clip, critic_warmup
+        self.critic_options = critic
+
+    def companions(self) -> dict[str, Companion]:
+        options = self.critic_options
+        return {"critic": Companion(self.critic, options.optimizer, options.lr_scheduler)}
+
+    def before_advantages(self) -> list[Any]:
+        """The critic's values first (GAE reads them), then the KL-in-reward penalty."""
+        return [CriticValues(self.critic, self.updater.micro_batch_size), *super().before_advantages()]
 
     @property
     def warming_up(self) -> bool:
-        return self.trainer.fit_loop.total_batch_idx < self.critic_warmup
+        return self.trainer.fit_loop.total_batch_idx < self.critic_options.warmup
 
     def trained_models(self) -> list[TrainedModel]:
         """The policy (joining the backward without stepping while the critic warms up), then the critic,
@@ -96,9 +96,9 @@ class PPO(OnlineRL):
         """``vf_coef`` x the clipped value loss, normalised by the minibatch's global token count."""
         values = self.critic.values(micro.prompt_ids, micro.prompt_mask, micro.completion_ids,
                                     micro.attention_mask)
-        clip = self.value_clip if self.value_clip is not None else math.inf
+        clip = self.critic_options.value_clip if self.critic_options.value_clip is not None else math.inf
         vf_loss, value_metrics = value_loss(values, micro.values, micro.returns, micro.loss_mask, clip,
                                             num_tokens=num_tokens)
         metrics = {"critic/vf_loss": vf_loss, "critic/vf_clip_frac": value_metrics["value/clip_frac"],
                    "critic/value_pred_mean": value_metrics["value/mean"]}
-        return self.vf_coef * vf_loss, metrics
+        return self.critic_options.vf_coef * vf_loss, metrics

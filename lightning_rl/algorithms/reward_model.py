@@ -16,7 +16,7 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from lightning_rl.algorithms.base import PolicyModule, has_callback
+from lightning_rl.algorithms.trained import TrainedModule, has_callback
 from lightning_rl.maths.preference_losses import reward_model_loss
 from lightning_rl.models.reward_model import load_reward_network, pair_texts
 from lightning_rl.models.scoring import disable_dropout as zero_dropout
@@ -47,19 +47,18 @@ class ExportRewardModel(L.Callback):
         ExportPolicy(self.target(trainer)).on_train_end(trainer, pl_module)
 
 
-class RewardModel(PolicyModule):
+class RewardModel(TrainedModule):
     """A scalar reward model trained on ``PreferenceDataModule`` pairs (``prompt``, ``chosen``, ``rejected``).
 
     Logs ``rm/loss``, ``rm/accuracy`` (pairs with chosen scored above rejected, strictly), ``rm/margin``
     (mean ``r_c - r_r``), ``rm/chosen`` / ``rm/rejected`` (mean rewards) and ``data/truncated`` (texts cut
     this step); the ``rm/*`` metrics also under ``val/`` on the held-out pairs, exact means over all of them.
 
-    It subclasses ``PolicyModule`` for what that shares (optimiser and scheduler, exact validation means,
-    RNG states in checkpoints, callbacks, FSDP2 ``configure_model``; the CLI also only accepts its
-    subclasses) but not its ``__init__``, which would load a causal LM: ``self.policy`` here is the
-    :class:`~lightning_rl.models.reward_model.RewardNetwork` being trained, and there is no generation.
-    Tested on
-    one process; the multi-process (DDP / FSDP2) paths are PolicyModule's, not yet run for this module.
+    Its base is :class:`~lightning_rl.algorithms.trained.TrainedModule` (optimiser and scheduler, exact
+    validation means, RNG states in checkpoints, callbacks, FSDP2 ``configure_model``), not ``PolicyModule``,
+    which loads a causal LM and generates: ``self.policy`` here is the
+    :class:`~lightning_rl.models.reward_model.RewardNetwork` being trained. Tested on one process; the
+    multi-process (DDP / FSDP2) paths are TrainedModule's, not yet run for this module.
 
     Args:
         model: where the weights start: a causal LM folder or hub id (backbone; the scalar head is fresh),
@@ -95,7 +94,7 @@ class RewardModel(PolicyModule):
         optimizer: OptimizerCallable = torch.optim.AdamW,
         lr_scheduler: LRSchedulerCallable | None = None,
     ) -> None:
-        L.LightningModule.__init__(self)  # not PolicyModule.__init__: it loads a causal LM (see above)
+        super().__init__()
         if max_length < 1:
             raise ValueError(f"`model.max_length` must be >= 1, got {max_length}")
         if not center_rewards_coefficient >= 0:
@@ -110,14 +109,15 @@ class RewardModel(PolicyModule):
         self.chat_template, self.max_length = chat_template, max_length
         self.center_rewards_coefficient, self.margin_column = center_rewards_coefficient, margin_column
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
-        # read by PolicyModule.configure_model (FSDP2): plain sharding, the weights' own dtype
-        self.fsdp_cpu_offload, self.fsdp_param_dtype, self.fsdp_reduce_dtype = False, None, None
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.policy.tokenizer
 
     # ---- setup -------------------------------------------------------------------------------
-    def check_prompt_lengths(self) -> None:
-        """No-op: rows longer than ``max_length`` are cut on the left (and counted), not refused."""
-
     def on_fit_start(self) -> None:
+        """``TrainedModule``'s checks, then the margins. Texts longer than ``max_length`` are cut on the left
+        (and counted), not refused."""
         super().on_fit_start()
         self.check_margins()
 
@@ -132,7 +132,7 @@ class RewardModel(PolicyModule):
                 _margin_value(row.get(self.margin_column), self.margin_column, f"{split} row {i}")
 
     def configure_callbacks(self) -> list[L.Callback]:
-        """``PolicyModule``'s, with the export writing ``<log_dir>/reward_model`` (unless the trainer already
+        """``TrainedModule``'s, with the export writing ``<log_dir>/reward_model`` (unless the trainer already
         has an ``ExportRewardModel``, e.g. one with its own ``dirpath``)."""
         from lightning_rl.callbacks import ExportPolicy
 

@@ -5,19 +5,22 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_rl.algorithms.online import OnlineRL
-from lightning_rl.maths.aggregation import Aggregation
+from lightning_rl.algorithms.options import ObjectiveOptions
 from lightning_rl.step.estimators import RLOO as LeaveOneOut
 from lightning_rl.step.estimators import AdvantageEstimator
 
 
 class RLOO(OnlineRL):
-    """RLOO preset: advantage ``r_i - mean of the group's other G - 1 rewards`` (unbiased, no std scaling),
-    token-level PPO clip 0.2 (exactly REINFORCE with one update per rollout), ``token-mean``, no KL term.
+    """RLOO preset: advantage ``r_i - mean of the group's other G - 1 rewards`` (unbiased, no std scaling;
+    ``advantage: null`` means this estimator), token-level PPO clip 0.2 (exactly REINFORCE with one update
+    per rollout), ``token-mean``, no KL term.
 
-    Every other axis is open: see :class:`~lightning_rl.algorithms.online.OnlineRL`.
+    Every other group is :class:`~lightning_rl.algorithms.online.OnlineRL`'s.
     """
 
-    def __init__(self, *args: Any, advantage: AdvantageEstimator | None = None,
-                 aggregation: Aggregation = "token-mean", kl_coef: float = 0.0, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, advantage: AdvantageEstimator | None = None,
+        objective: ObjectiveOptions = ObjectiveOptions(aggregation="token-mean"), **kwargs: Any,
+    ) -> None:
         super().__init__(*args, advantage=advantage if advantage is not None else LeaveOneOut(),
-                         aggregation=aggregation, kl_coef=kl_coef, **kwargs)
+                         objective=objective, **kwargs)

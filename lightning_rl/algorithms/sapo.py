@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_rl.algorithms.online import OnlineRL
-from lightning_rl.maths.aggregation import Aggregation
-from lightning_rl.maths.trust_regions import TrustRegion
+from lightning_rl.algorithms.options import ObjectiveOptions
 
 
 class SAPO(OnlineRL):
@@ -16,15 +15,6 @@ class SAPO(OnlineRL):
     Unlike verl, the aggregation setting is honoured.
     """
 
-    def __init__(
-        self,
-        *args: Any,
-        trust_region: TrustRegion = "soft_gate",
-        tau_pos: float = 1.0,
-        tau_neg: float = 1.05,
-        aggregation: Aggregation = "seq-mean-token-mean",
-        kl_coef: float = 0.0,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(*args, trust_region=trust_region, tau_pos=tau_pos, tau_neg=tau_neg,
-                         aggregation=aggregation, kl_coef=kl_coef, **kwargs)
+    def __init__(self, *args: Any, objective: ObjectiveOptions = ObjectiveOptions(trust_region="soft_gate"),
+                 **kwargs: Any) -> None:
+        super().__init__(*args, objective=objective, **kwargs)

@@ -1,5 +1,6 @@
-"""Lightning glue of the online step: manual optimisation of one or two trained models (the policy and,
-for PPO, a critic), their setup, sharding, clipping, checkpointed state and callbacks.
+"""Lightning glue of the online step: manual optimisation of the policy and of any companion (a model
+trained beside it with its own optimiser, such as PPO's value model), their setup, sharding, clipping,
+checkpointed state and callbacks.
 
 The updater (``lightning_rl.step.update``) decides what to accumulate and when to step; this mixin supplies
 the strategy-specific parts as :class:`~lightning_rl.step.update.UpdateHooks`: the gradient-sync context of a
@@ -11,6 +12,7 @@ LR schedulers. One trainer step is one policy update: a second optimiser steps t
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -32,11 +34,29 @@ from lightning_rl.step.rollout import Rollout, rollout_stats
 from lightning_rl.step.update import TrainedModel, UpdateHooks
 
 
+@dataclass
+class Companion:
+    """A model trained beside the policy, with its own optimiser and scheduler.
+
+    Args:
+        module: the model (registered on the LightningModule, so checkpointed with it); it has
+            ``.model`` (the transformers module that FSDP2 shards), ``parameters()`` and ``train()``.
+        optimizer, lr_scheduler: its optimiser and scheduler factories.
+    """
+
+    module: Any
+    optimizer: Any
+    lr_scheduler: Any = None
+
+
 class ManualSteps:
     """Mixin for :class:`~lightning_rl.algorithms.online.OnlineRL` (see the module docstring)."""
 
-    critic: Any
     _reference: Any
+
+    def companions(self) -> dict[str, Companion]:
+        """Models trained beside the policy, by name (none here; PPO: its value model)."""
+        return {}
 
     @property
     def step_metrics(self) -> StepMetrics:
@@ -51,7 +71,7 @@ class ManualSteps:
 
     # ---- setup -------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
-        if self.critic is not None and strategy_is(self.trainer.strategy, ("DeepSpeedStrategy",)):
+        if self.companions() and strategy_is(self.trainer.strategy, ("DeepSpeedStrategy",)):
             raise ValueError(f"{type(self).__name__} trains two models with two optimisers and Lightning's "
                              "DeepSpeed strategy takes one: use DDP or FSDP2 (configs/strategy/fsdp2.yaml)")
         super().setup(stage)
@@ -62,17 +82,17 @@ class ManualSteps:
         return {**super().deepspeed_defaults(), "gradient_clipping": self.updater.max_grad_norm or 0.0}
 
     def configure_model(self) -> None:
-        """FSDP2: a critic is sharded like the policy (each decoder layer, then the root)."""
+        """FSDP2: each companion is sharded like the policy (each decoder layer, then the root)."""
         super().configure_model()
-        if self.critic is not None and self.device_mesh is not None:
-            shard_policy_model(self.critic.model, self.device_mesh, cpu_offload=self.fsdp_cpu_offload,
+        for companion in self.companions().values() if self.device_mesh is not None else ():
+            shard_policy_model(companion.module.model, self.device_mesh, cpu_offload=self.fsdp_cpu_offload,
                                param_dtype=self.fsdp_param_dtype, reduce_dtype=self.fsdp_reduce_dtype)
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
         self.policy.disable_dropout()  # log-probs must match what sampling saw
-        if self.critic is not None:
-            self.critic.train()
+        for companion in self.companions().values():
+            companion.module.train()
         share = prompt_sharing(self.share_prompt_prefix, self.policy.model)
         self.policy.share_prompts = share
         if self._reference is not None:
@@ -85,8 +105,8 @@ class ManualSteps:
         return self.share_prompt_prefix
 
     def extra_exports(self) -> dict[str, Any]:
-        """Written by ``ExportPolicy`` next to the policy folder: ``critic/`` when there is one."""
-        return {"critic": self.critic} if self.critic is not None else {}
+        """Written by ``ExportPolicy`` next to the policy folder: one folder per companion, by its name."""
+        return {name: companion.module for name, companion in self.companions().items()}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
@@ -99,14 +119,14 @@ class ManualSteps:
             self.kl_reward.value = checkpoint["kl_coef_value"]
 
     def configure_optimizers(self) -> Any:
-        """The policy's optimiser (and scheduler); with a critic, its own optimiser and scheduler too."""
-        if self.critic is None:
+        """The policy's optimiser (and scheduler); each companion's own optimiser and scheduler after it."""
+        companions = list(self.companions().values())
+        if not companions:
             return super().configure_optimizers()
-        policy_opt = self.optimizer_factory(trainable_parameters(self.policy))
-        critic_opt = self.critic_optimizer_factory(self.critic.parameters())
-        pairs = ((self.scheduler_factory, policy_opt), (self.critic_scheduler_factory, critic_opt))
+        pairs = [(self.scheduler_factory, self.optimizer_factory(trainable_parameters(self.policy)))]
+        pairs += [(c.lr_scheduler, c.optimizer(c.module.parameters())) for c in companions]
         schedulers = [{"scheduler": make(opt), "interval": "step"} for make, opt in pairs if make is not None]
-        return [policy_opt, critic_opt], schedulers
+        return [opt for _, opt in pairs], schedulers
 
     # ---- the updater's hooks -------------------------------------------------------------------------
     def update_hooks(self) -> UpdateHooks:
@@ -162,8 +182,8 @@ class ManualSteps:
             torch.nn.utils.clip_grad_norm_(params, max_norm)
         else:
             self.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
-        critic = {id(p) for p in self.critic.parameters()} if self.critic is not None else set()
-        name = "critic" if any(id(p) in critic for p in params) else "policy"
+        owned = {id(p): name for name, c in self.companions().items() for p in c.module.parameters()}
+        name = next((owned[id(p)] for p in params if id(p) in owned), "policy")
         self.step_metrics.add(self.device, {f"{name}/grad_norm": norm.detach()})
 
     # ---- observing: stages return numbers, this module logs them, callbacks read them ----------

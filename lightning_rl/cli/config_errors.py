@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import dataclasses
 import inspect
 import os
 import re
@@ -155,8 +156,13 @@ def _leaf(
     ``path``; ``cls`` is the class whose arguments the line is about (None outside one)."""
     text, _, got = text.partition(". Got value: ")
     text = text.rstrip(".")
+    inner = (["init_args"] if cls else [])
     if m := re.match(r"Option '([^']+)' is not accepted", text):
-        return Problem("unknown_key", key=".".join(path + (["init_args"] if cls else []) + [m[1]]), cls=cls)
+        return Problem("unknown_key", key=".".join(path + inner + [m[1]]), cls=cls)
+    if m := re.match(r"Group '([^']+)' does not accept option '([^']+)'", text):  # a key inside a group
+        return Problem("unknown_key", key=".".join(path + inner + m[1].split(".") + [m[2]]), cls=cls)
+    if cls and (m := re.match(r"unrecognized arguments: --([\w.]+)", text)):  # the same, on the command line
+        return Problem("unknown_key", key=".".join(path + inner + m[1].split(".")), cls=cls)
     if text.startswith("Expected a ") and not IMPORT_PROBLEM.match(text):
         items = [text]  # a union's items: every "- Expected a ..." beside the first
         for raw in lines[i + 1:]:
@@ -213,6 +219,11 @@ def summarize(message: str, args: Sequence[str], known: Iterable[str] = ()) -> s
     p = parse_message(message)
     where = locate(p.key, args, p.value)
     at = f" ({where})" if where else ""
+    if p.kind == "unknown_key" and (moved := moved_key(p.key, p.cls)):
+        old, new = moved
+        where = locate(old, args)
+        return PREFIX + (f"`{old}`{f' ({where})' if where else ''} is now `{new}`: {p.cls} takes its options "
+                         "in groups (see --print_config)")
     if p.kind == "unknown_key":
         return PREFIX + _unknown_key(p, at, known)
     if p.kind == "type":
@@ -251,13 +262,39 @@ def summarize(message: str, args: Sequence[str], known: Iterable[str] = ()) -> s
 def _unknown_key(p: Problem, at: str, known: Sequence[str]) -> str:
     """An unknown key, with the closest argument of its class (or key of the parser)."""
     name = p.key.rsplit(".", 1)[-1]
-    if p.cls:
+    group = p.key.split(".")[-2] if p.key.count(".") >= 2 else ""
+    if p.cls and group not in ("init_args", "") and (fields := group_fields(p.cls, group)):
+        hint = close(name, fields)
+        body = f"unknown key `{p.key}`{at}: the `{group}` group of {p.cls} has no field `{name}`"
+    elif p.cls:
         hint = close(name, class_arguments(p.cls))
         body = f"unknown key `{p.key}`{at}: {p.cls} has no argument `{name}`"
     else:
         hint = suggest_key(p.key, [k for k in known if not k.startswith("-")])
         body = f"unknown key `{p.key}`{at}"
     return body + (f"; did you mean `{hint}`?" if hint else "")
+
+
+
+def group_fields(cls_path: str, group: str) -> list[str]:
+    """The fields of the option group ``group`` of the class at ``cls_path`` (its default dataclass)."""
+    from lightning_rl.algorithms.presets import preset_defaults
+
+    cls = import_path(cls_path)
+    default = preset_defaults(cls).get(group) if inspect.isclass(cls) else None
+    return [f.name for f in dataclasses.fields(default)] if dataclasses.is_dataclass(default) else []
+
+
+def moved_key(key: str, cls_path: str | None) -> tuple[str, str] | None:
+    """``(old key, new key)`` when ``key`` (or the mapping it sits in) is a flat key of ``cls_path`` from
+    before the option groups (``model.init_args.temperature`` -> ``model.init_args.sampling.temperature``)."""
+    moved = getattr(import_path(cls_path), "moved_keys", None) if cls_path else None
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if moved and part in moved and i > 0 and parts[i - 1] == "init_args":
+            head = ".".join(parts[:i])
+            return f"{head}.{part}", f"{head}.{moved[part]}"
+    return None
 
 
 def _wrong_type(p: Problem, at: str) -> str:

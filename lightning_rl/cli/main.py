@@ -5,7 +5,7 @@
     lightning-rl fit --config configs/grpo.yaml --ckpt_path last     # resume the newest checkpoint
     lightning-rl fit --config configs/sft.yaml --print_config
     lightning-rl predict --config configs/grpo.yaml --data.init_args.predict_path heldout.jsonl \
-        --model.init_args.model runs/lightning-rl/version_0/policy --predictions.num_generations 4
+        --model.init_args.policy.model runs/lightning-rl/version_0/policy --predictions.num_generations 4
 
 Models and DataModules are chosen by ``class_path`` (subclass mode), YAML is parsed with omegaconf so
 ``${...}`` interpolation works, each run's full config is saved next to its TensorBoard logs (a new
@@ -19,8 +19,10 @@ is the default logger. ``--ckpt_path last`` resumes the newest checkpoint of the
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
+import re
 import sys
 import traceback
 import warnings
@@ -33,8 +35,8 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_rl.algorithms.base import PolicyModule
 from lightning_rl.algorithms.input_checks import InputError
+from lightning_rl.algorithms.trained import TrainedModule
 from lightning_rl.cli import rank_failures
 from lightning_rl.cli.config_errors import SummarizingParser, check_class_paths, summarized
 from lightning_rl.cli.resume import (
@@ -91,7 +93,7 @@ class LightningRLCLI(LightningCLI):
 
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
         super().__init__(
-            model_class=PolicyModule,
+            model_class=TrainedModule,
             datamodule_class=LightningDataModule,
             subclass_mode_model=True,
             subclass_mode_data=True,
@@ -117,6 +119,10 @@ class LightningRLCLI(LightningCLI):
         return parser
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
+        if args is None:  # rewritten in place: LightningCLI warns when given both, and ranks relaunch argv
+            sys.argv[1:] = group_nulls(sys.argv[1:])
+        else:
+            args = group_nulls(args)
         check_peft_installed(sys.argv[1:] if args is None else args)
         with summarized(parser):
             super().parse_arguments(parser, args)
@@ -149,6 +155,33 @@ class LightningRLCLI(LightningCLI):
             self.trainer.save_checkpoint = naming_the_file(self.trainer.save_checkpoint)
 
 
+GROUP_FIELD = re.compile(r"^--model\.(?:init_args\.)?([a-z_]+)\.([a-z_]+)$")
+NULLS = ("null", "none", "~")
+
+
+def group_nulls(args: Any) -> Any:
+    """``--model.init_args.<group>.<field> null`` as ``--model.init_args.<group> '{"<field>": null}'``.
+
+    jsonargparse (4.53) turns a command-line ``null`` for a field of a dataclass group into the string
+    ``"None"`` or a type error; the same null given as a mapping is merged into the group like a YAML
+    value. Other arguments pass unchanged (``args`` that are not a list, too)."""
+    if not isinstance(args, (list, tuple)):
+        return args
+    out, items, i = [], [str(a) for a in args], 0
+    while i < len(items):
+        key, eq, value = items[i].partition("=")
+        match = GROUP_FIELD.match(key)
+        if not eq and i + 1 < len(items):
+            value = items[i + 1]
+        if match and match.group(2) not in ("class_path", "init_args") and value.strip().lower() in NULLS:
+            out += [f"--model.init_args.{match.group(1)}", json.dumps({match.group(2): None})]
+            i += 1 if eq else 2
+            continue
+        out.append(items[i])
+        i += 1
+    return out
+
+
 def unwrap_jsonargparse(err: BaseException) -> BaseException:
     """The error a class raised, out of jsonargparse's "Does not validate against any of the Union subtypes
     ... Given value: Namespace(...)" wrapper: the first in the chain not raised inside jsonargparse."""
@@ -176,7 +209,7 @@ def check_strategy_installed(config: Any) -> None:
 
 def requested_peft(args: Any) -> bool:
     """Whether the command line (its ``--config`` files read in order, then inline overrides) sets
-    ``model.peft``; the last setting wins. Files that cannot be read are left to the parser."""
+    ``model.policy.peft``; the last setting wins. Files that cannot be read are left to the parser."""
     if not isinstance(args, (list, tuple)):
         return False
     wanted = False
@@ -193,22 +226,23 @@ def requested_peft(args: Any) -> bool:
                 continue
             if isinstance(model, dict):
                 init_args = model.get("init_args") if isinstance(model.get("init_args"), dict) else model
-                if "peft" in init_args:
-                    wanted = init_args["peft"] is not None
-        elif key in ("--model.init_args.peft", "--model.peft"):
+                policy = init_args.get("policy")
+                if isinstance(policy, dict) and "peft" in policy:
+                    wanted = policy["peft"] is not None
+        elif key in ("--model.init_args.policy.peft", "--model.policy.peft"):
             wanted = value.strip().lower() not in ("null", "none", "")
-        elif key.startswith(("--model.init_args.peft.", "--model.peft.")):
+        elif key.startswith(("--model.init_args.policy.peft.", "--model.policy.peft.")):
             wanted = True
     return wanted
 
 
 def check_peft_installed(args: Any) -> None:
-    """Name the extra to install when the config sets ``model.peft`` and peft is absent (jsonargparse fails
-    while parsing, on importing the config's ``class_path``, with a message that does not say so)."""
+    """Name the extra to install when the config sets ``model.policy.peft`` and peft is absent (jsonargparse
+    fails while parsing, on importing the config's ``class_path``, with a message that does not say so)."""
     if importlib.util.find_spec("peft") is None and requested_peft(args):
         from lightning_rl.models.adapters import PEFT_EXTRA
 
-        raise ConfigError(f"ImportError: `model.peft` needs the optional `peft` package: {PEFT_EXTRA}")
+        raise ConfigError(f"ImportError: `model.policy.peft` needs the optional `peft` package: {PEFT_EXTRA}")
 
 
 def check_checkpoint_file(path: str | None) -> None:

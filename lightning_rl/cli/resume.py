@@ -85,7 +85,7 @@ def checkpoint_file_problem(path: str) -> str | None:
         return (f"a plain state dict ({len(content)} entries, {tensors} tensors, e.g. {', '.join(keys)}), "
                 "not a Lightning checkpoint (no `state_dict` / `pytorch-lightning_version`): `--ckpt_path` "
                 "resumes a run; to start from these weights, save the model with save_pretrained and set "
-                "`model.init_args.model` to that folder")
+                "`model.init_args.policy.model` to that folder")
     return None
 
 

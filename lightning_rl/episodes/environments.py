@@ -65,12 +65,12 @@ class StepResult:
 
 
 class Environment:
-    """The environment seam: subclass it and name it in YAML (``model.init_args.environment``).
+    """The environment seam: subclass it and name it in YAML (``model.init_args.episodes.environment``).
 
     The configured object is a template: each episode gets its own :meth:`spawn` (a deep copy), then
     :meth:`reset` with the prompt row, :meth:`step` after every model turn that made no tool call, and
     :meth:`final_reward` once at the end. Plain Python; an exception is handled like a reward function's
-    (``model.on_env_error``).
+    (``model.episodes.on_error``).
     """
 
     def spawn(self) -> Environment:
@@ -92,7 +92,7 @@ class Environment:
 
 
 class EpisodeError(RuntimeError):
-    """An environment raised (``model.on_env_error: raise``)."""
+    """An environment raised (``model.episodes.on_error: raise``)."""
 
 
 @dataclass
@@ -181,16 +181,18 @@ def episode_runner(environment: Environment | None, tools: list[str] | None, *, 
     (single-turn rollouts). ``context``: the model's longest sequence, which prompt + episode must fit."""
     if environment is None and not tools:
         if max_episode_tokens is not None:
-            raise ValueError("`model.max_episode_tokens` applies to episodes: set `model.environment` or "
-                             "`model.tools`")
+            raise ValueError("`model.episodes.max_episode_tokens` applies to episodes: set "
+                             "`model.episodes.environment` or `model.episodes.tools`")
         return None
     if environment is not None and not isinstance(environment, Environment):
-        raise ValueError(f"`model.environment` must be a lightning_rl.episodes.environments.Environment, got "
+        raise ValueError("`model.episodes.environment` must be a "
+                         "lightning_rl.episodes.environments.Environment, got "
                          f"{type(environment).__name__}")
     budget = max_episode_tokens if max_episode_tokens is not None else max_turns * max_new_tokens
     if context is not None and max_prompt_length + budget > context:
-        raise ValueError(f"`model.max_prompt_length` ({max_prompt_length}) + `model.max_episode_tokens` "
-                         f"({budget}) is more than the model's context of {context} tokens")
+        raise ValueError(f"`model.policy.max_prompt_length` ({max_prompt_length}) + "
+                         f"`model.episodes.max_episode_tokens` ({budget}) is more than the model's "
+                         f"context of {context} tokens")
     return EpisodeRunner(environment, load_tools(tools or []), make_tool_format(tool_format, tokenizer, chat),
                          tokenizer, chat=chat, max_turns=max_turns, max_episode_tokens=budget,
                          tool_timeout=tool_timeout, on_env_error=on_env_error)
@@ -204,7 +206,7 @@ class EpisodeRunner:
         tools: the callable tools (``lightning_rl.episodes.tools.load_tools``); may be empty.
         tool_format: how calls are parsed and results rendered.
         tokenizer: the policy's tokenizer (observations are tokenised once with it).
-        chat: observations are rendered through the chat template (``model.chat_template`` on).
+        chat: observations are rendered through the chat template (``model.policy.chat_template`` on).
         max_turns: model turns per episode, at least 1.
         max_episode_tokens: tokens after the prompt (model and observation tokens), at least 1.
         tool_timeout: seconds a tool call may take before it answers an error.
@@ -215,11 +217,13 @@ class EpisodeRunner:
     def __init__(self, environment: Environment | None, tools: Sequence[Tool], tool_format: ToolFormat,
                  tokenizer: Any, *, chat: bool = False, max_turns: int = 4, max_episode_tokens: int = 256,
                  tool_timeout: float = 10.0, on_env_error: Literal["raise", "zero"] = "raise") -> None:
-        checks = {"max_turns": max_turns >= 1, "max_episode_tokens": max_episode_tokens >= 1,
-                  "tool_timeout": tool_timeout > 0, "on_env_error": on_env_error in ("raise", "zero")}
-        for key, ok in checks.items():
+        checks = {"max_turns": (max_turns >= 1, max_turns),
+                  "max_episode_tokens": (max_episode_tokens >= 1, max_episode_tokens),
+                  "tool_timeout": (tool_timeout > 0, tool_timeout),
+                  "on_error": (on_env_error in ("raise", "zero"), on_env_error)}
+        for key, (ok, value) in checks.items():
             if not ok:
-                raise ValueError(f"`model.{key}` is out of range, got {locals()[key]!r}")
+                raise ValueError(f"`model.episodes.{key}` is out of range, got {value!r}")
         self.environment, self.tools = environment, {t.name: t for t in tools}
         self.format, self.tokenizer, self.chat = tool_format, tokenizer, chat
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
@@ -359,7 +363,7 @@ class EpisodeRunner:
             where = f"episode {ep.index} (prompt {str(ep.row.get('prompt'))[:80]!r})"
             message = f"environment `{self.env_name}` raised {type(err).__name__} in {what} of {where}: {err}"
             if self.on_env_error == "raise":
-                raise EpisodeError(message + "; set `model.on_env_error: zero` to score such episodes 0 "
+                raise EpisodeError(message + "; set `model.episodes.on_error: zero` to score such episodes 0 "
                                    "instead") from err
             ep.failed = ep.done = True
             ep.error = message

@@ -1,6 +1,6 @@
 """Tools for multi-turn episodes: plain Python functions the model calls in its turns.
 
-A tool is named in YAML by import path (``model.tools: [package.module:function]``); its schema (the
+A tool is named in YAML by import path (``model.episodes.tools: [package.module:function]``); its schema (the
 OpenAI/HF function form that chat templates render) is built from its signature and Google docstring
 (:mod:`lightning_rl.episodes.tool_schemas`).
 A tool format finds the calls in a model turn (``parse``) and renders their results as the text the
@@ -71,8 +71,8 @@ def load_tools(paths: list[str]) -> list[Tool]:
     An attribute that already is a ``Tool`` is used as is.
 
     Raises:
-        ValueError: naming ``model.tools`` and the entry: bad format, module or attribute not found, not
-            callable, no schema can be built, or two tools with the same name.
+        ValueError: naming ``model.episodes.tools`` and the entry: bad format, module or attribute not found,
+            not callable, no schema can be built, or two tools with the same name.
     """
     tools: dict[str, Tool] = {}
     for path in paths:
@@ -80,8 +80,9 @@ def load_tools(paths: list[str]) -> list[Tool]:
         if not sep:
             module_name, _, attr = str(path).rpartition(".")
         if not module_name or not attr:
-            raise ValueError(f"`model.tools` entry `{path}` must look like `package.module:function`")
-        where = f"`model.tools` entry `{path}`"
+            raise ValueError(f"`model.episodes.tools` entry `{path}` must look like "
+                             "`package.module:function`")
+        where = f"`model.episodes.tools` entry `{path}`"
         try:
             module = importlib.import_module(module_name)
         except ImportError as err:
@@ -240,7 +241,8 @@ def chat_suffix(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
     if at < 0:
         raise ValueError(
             f"the chat template does not end assistant turns with the EOS token `{tokenizer.eos_token}`, "
-            "so tool results and observations cannot be appended after the model's turn (`model.tool_format`)"
+            "so tool results and observations cannot be appended after the model's turn "
+            "(`model.episodes.tool_format`)"
         )
     return full[at + len(end):]
 
@@ -256,16 +258,17 @@ def detect_format(tokenizer: Any, chat_template: bool) -> ToolFormat:
 
 
 def tool_format(name: str, tokenizer: Any, chat_template: bool) -> ToolFormat:
-    """The format named by ``model.tool_format``: ``auto`` (``detect_format``), ``hermes`` or ``plain``."""
+    """The format named by ``model.episodes.tool_format``: ``auto`` (``detect_format``), ``hermes`` or
+    ``plain``."""
     if name == "auto":
         return detect_format(tokenizer, chat_template)
     if name == "plain":
         return PlainFormat()
     if name == "hermes":
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("`model.tool_format: hermes` needs a tokenizer with a chat template")
+            raise ValueError("`model.episodes.tool_format: hermes` needs a tokenizer with a chat template")
         return HermesFormat()
-    raise ValueError(f"`model.tool_format` must be `auto`, `hermes` or `plain`, got `{name}`")
+    raise ValueError(f"`model.episodes.tool_format` must be `auto`, `hermes` or `plain`, got `{name}`")
 
 
 # ---------------------------------------------------------------------------------------- execution

@@ -70,20 +70,21 @@ class Objective:
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(
-                    f"`model.{key}`: unknown value {getattr(self, key)!r}; expected one of {allowed}"
+                    f"`model.objective.{key}`: unknown value {getattr(self, key)!r}; expected one of "
+                    f"{allowed}"
                 )
         for key in ("clip_low", "clip_high", "tau_pos", "tau_neg"):
             if not getattr(self, key) > 0:
-                raise ValueError(f"`model.{key}` must be > 0, got {getattr(self, key)}")
+                raise ValueError(f"`model.objective.{key}` must be > 0, got {getattr(self, key)}")
         if self.clip_low >= 1:
-            raise ValueError(f"`model.clip_low` must be < 1, got {self.clip_low}")
+            raise ValueError(f"`model.objective.clip_low` must be < 1, got {self.clip_low}")
         self._refuse_unused_options()
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
-            raise ValueError(f"`model.clip_ratio_c` must be > 1, got {self.clip_ratio_c}")
+            raise ValueError(f"`model.objective.clip_ratio_c` must be > 1, got {self.clip_ratio_c}")
         if self.kl_coef < 0:
-            raise ValueError(f"`model.kl_coef` must be >= 0, got {self.kl_coef}")
+            raise ValueError(f"`model.objective.kl_coef` must be >= 0, got {self.kl_coef}")
         if self.kl_clamp is not None and not self.kl_clamp > 0:
-            raise ValueError(f"`model.kl_clamp` must be > 0 or null, got {self.kl_clamp}")
+            raise ValueError(f"`model.objective.kl_clamp` must be > 0 or null, got {self.kl_clamp}")
 
     def _refuse_unused_options(self) -> None:
         """An option of another trust region set away from its default would be ignored silently: refuse."""
@@ -92,7 +93,8 @@ class Objective:
         for key in sorted({opt for name in TRUST_REGIONS for opt in trust_region_options(name)} - set(used)):
             if key in defaults and getattr(self, key) != defaults[key]:
                 raise ValueError(
-                    f"`model.{key}` has no effect under `model.trust_region: {self.trust_region}` (its "
+                    f"`model.objective.{key}` has no effect under `model.objective.trust_region: "
+                    f"{self.trust_region}` (its "
                     f"options are {used}); leave it at its default {defaults[key]!r}, "
                     f"got {getattr(self, key)!r}"
                 )
@@ -120,7 +122,7 @@ class Objective:
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """``(loss, metrics)`` of one (micro-)batch; shapes as in :mod:`lightning_rl.maths.losses`."""
         if ref_logp is None and self.needs_reference:
-            raise ValueError(f"`ref_logp` is None but `model.kl_coef`={self.kl_coef}")
+            raise ValueError(f"`ref_logp` is None but `model.objective.kl_coef`={self.kl_coef}")
         return policy_loss(
             logp, old_logp, ref_logp, advantages, mask, ratio_level=self.ratio_level,
             trust_region=self.trust_region, trust_region_args=self.trust_region_args,

@@ -1,6 +1,6 @@
-"""PEFT adapters (LoRA and friends) on the policy, switched on from the config's ``model.peft`` key.
+"""PEFT adapters (LoRA and friends) on the policy, switched on from the config's ``model.policy.peft`` key.
 
-``model.peft`` names a ``peft.PeftConfig`` subclass the way ``model.optimizer`` names an optimiser::
+``model.policy.peft`` names a ``peft.PeftConfig`` subclass the way ``model.optimizer`` names an optimiser::
 
     peft:
       class_path: peft.LoraConfig
@@ -30,7 +30,7 @@ PEFT_EXTRA = "pip install 'lightning-rl[peft]'"
 CAUSAL_LM = "CAUSAL_LM"
 
 
-def require_peft(key: str = "model.peft") -> Any:
+def require_peft(key: str = "model.policy.peft") -> Any:
     """The ``peft`` module, or an ImportError naming ``key`` and the extra that installs it."""
     try:
         import peft
@@ -63,13 +63,13 @@ def _resolve_class(class_path: str, peft: Any, key: str) -> type:
     return cls
 
 
-def peft_config(spec: Any, key: str = "model.peft") -> Any:
+def peft_config(spec: Any, key: str = "model.policy.peft") -> Any:
     """Build the ``peft.PeftConfig`` that ``spec`` describes.
 
     Args:
         spec: ``{"class_path": "peft.LoraConfig", "init_args": {...}}`` (the YAML form; a bare class name is
             looked up in ``peft``; other keys beside ``init_args`` count as init args, which is where
-            jsonargparse puts a command-line ``--model.init_args.peft.init_args.r 8``), or a
+            jsonargparse puts a command-line ``--model.init_args.policy.peft.init_args.r 8``), or a
             ``peft.PeftConfig`` instance (copied).
         key: the config key, for messages.
 
@@ -89,7 +89,7 @@ def peft_config(spec: Any, key: str = "model.peft") -> Any:
             raise ValueError(f"`{key}` takes `class_path` (e.g. peft.LoraConfig) and `init_args`, got "
                              f"{sorted(spec)}")
         cls = _resolve_class(spec["class_path"], peft, key)
-        # other keys are init args too: jsonargparse puts `--model.init_args.peft.init_args.r 8` there
+        # other keys are init args too: jsonargparse puts `--model.init_args.policy.peft.init_args.r 8` there
         extra = {k: v for k, v in spec.items() if k not in ("class_path", "init_args")}
         init_args = {**(spec.get("init_args") or {}), **extra}
         try:
@@ -107,7 +107,7 @@ def peft_config(spec: Any, key: str = "model.peft") -> Any:
     return config
 
 
-def wrap_model(model: nn.Module, spec: Any, key: str = "model.peft") -> nn.Module:
+def wrap_model(model: nn.Module, spec: Any, key: str = "model.policy.peft") -> nn.Module:
     """``peft.get_peft_model(model, peft_config(spec))``: adapters added, every base weight frozen.
 
     Raises:

@@ -109,7 +109,7 @@ def critic_from_policy(policy: Policy) -> Critic:
 
 def load_critic(
     source: str | None, policy: Policy, dtype: str | None = None, trust_remote_code: bool = False,
-    key: str = "model.critic_model",
+    key: str = "model.critic.model",
 ) -> Critic:
     """The critic named by ``source`` (the config key ``key``, for messages), or one from the policy.
 

@@ -43,7 +43,7 @@ TOOLS_MODEL = str(Path(EMBEDDED_MODEL).parent / "tiny_tools")  # warm-started on
 # the built-in names that are shipped folders; `builtin:tiny-scratch` is built from a config
 BUILTIN_FOLDERS = {"builtin:tiny-sort": EMBEDDED_MODEL, "builtin:tiny-tools": TOOLS_MODEL}
 BUILTIN_MODELS = ("builtin:tiny-sort", "builtin:tiny-tools", "builtin:tiny-scratch")
-# `dtype` values of the YAML (`model.dtype`, ...) and what `from_pretrained(dtype=...)` receives
+# `dtype` values of the YAML (`model.policy.dtype`, ...) and what `from_pretrained(dtype=...)` receives
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 LOCAL_HINT = "a local save_pretrained folder (e.g. `./my-model`)"
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
@@ -306,7 +306,7 @@ def torch_dtype(dtype: str | None, key: str) -> torch.dtype | str:
 
 
 def load_policy(
-    model: str, dtype: str | None = None, trust_remote_code: bool = False, *, key: str = "model.model"
+    model: str, dtype: str | None = None, trust_remote_code: bool = False, *, key: str = "model.policy.model"
 ) -> Policy:
     """Load the policy named by ``model`` (the config key ``key``, for messages).
 

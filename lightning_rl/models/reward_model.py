@@ -35,7 +35,7 @@ from lightning_rl.models.loading import build_char_tokenizer, load_pretrained, t
 from lightning_rl.models.scoring import position_ids
 from lightning_rl.text.pairs import pad_rows, render_pair
 
-SCORER_KEY = "model.reward_model"
+SCORER_KEY = "model.rewards.model"
 
 
 # ----------------------------------------------------------------------------------------- pure helpers
@@ -291,7 +291,7 @@ class RewardModelScorer:
         key: the config key named in errors.
 
     Raises:
-        See :func:`load_reward_network`; errors name ``key`` (``model.reward_model``).
+        See :func:`load_reward_network`; errors name ``key`` (``model.rewards.model``).
     """
 
     def __init__(

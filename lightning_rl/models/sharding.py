@@ -17,7 +17,7 @@ a full state dict on every rank before rank 0 writes it (:func:`full_state_dict`
 
 DeepSpeed (Lightning's ``DeepSpeedStrategy``, ZeRO stage 1-3): gradient accumulation is the engine's
 (:func:`deepspeed_engine` ``.set_gradient_accumulation_boundary``, DeepSpeed's ``no_sync`` refuses ZeRO-2/3),
-clipping is the engine's (``gradient_clipping``, filled from ``model.max_grad_norm``) and so is the LR
+clipping is the engine's (``gradient_clipping``, filled from ``model.update.max_grad_norm``) and so is the LR
 scheduler step. ZeRO-2/3 reduce gradients in *every* backward, so every rank runs as many backward passes
 (:func:`collective_backward`); ZeRO-3 also gathers parameters in every forward (:func:`collective_forward`)
 and an export gathers them with ``GatheredParameters`` (:func:`full_state_dict`).
@@ -44,7 +44,7 @@ def validate_fsdp_args(param_dtype: str | None, reduce_dtype: str | None) -> Non
     """Config errors naming the YAML key."""
     for key, value in {"fsdp_param_dtype": param_dtype, "fsdp_reduce_dtype": reduce_dtype}.items():
         if value is not None and value not in _DTYPES:
-            raise ValueError(f"`model.{key}` must be one of {sorted(_DTYPES)} or null, got {value!r}")
+            raise ValueError(f"`model.policy.{key}` must be one of {sorted(_DTYPES)} or null, got {value!r}")
 
 
 def fsdp_module_class() -> type:

@@ -7,6 +7,7 @@ rollout correction, TRL's vLLM importance sampling); the gap is logged every ste
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 from lightning_rl.maths.advantages import rollout_is_weights, rollout_mismatch_stats
@@ -14,7 +15,7 @@ from lightning_rl.step.rollout import Rollout
 
 
 class RolloutCorrection:
-    """The correction-weights stage (``model.init_args.rollout_correction``).
+    """The correction-weights stage (``model.init_args.logprobs.correction``).
 
     Applied when a rollout carries the engine's ``rollout_logp`` and the trainer recomputed ``old_logp``
     (decoupled: engine, behaviour and current policy are three); with ``behaviour_logp: from_engine``
@@ -30,21 +31,22 @@ class RolloutCorrection:
     def __init__(self, level: Literal["token", "sequence"] = "token",
                  mode: Literal["truncate", "mask", "off"] = "truncate", cap: float = 2.0) -> None:
         if level not in ("token", "sequence") or mode not in ("truncate", "mask", "off") or not cap >= 1:
-            raise ValueError("`model.rollout_correction`: `level` must be token or sequence, `mode` "
+            raise ValueError("`model.logprobs.correction`: `level` must be token or sequence, `mode` "
                              "truncate, "
                              f"mask or off, `cap` >= 1; got {level!r}, {mode!r}, {cap}")
         self.level, self.mode, self.cap = level, mode, cap
 
-    def __call__(self, rollout: Rollout) -> dict[str, float]:
-        """Set ``rollout.is_weights`` (when correcting) and return the mismatch statistics."""
+    def __call__(self, rollout: Rollout) -> tuple[Rollout, dict[str, float]]:
+        """The rollout with ``is_weights`` (when correcting; the input is left as it was) and the mismatch
+        statistics."""
         engine, behaviour = rollout.rollout_logp, rollout.old_logp
         if engine is None or behaviour is None or behaviour is engine or not len(rollout):
-            return {}
+            return rollout, {}
         mask = rollout.loss_mask
         mode = "truncate" if self.mode == "off" else self.mode
         weights = rollout_is_weights(rollout.old_logp, rollout.rollout_logp, mask, self.level, mode, self.cap)
-        if self.mode != "off":
-            rollout.is_weights = weights
         stats = rollout_mismatch_stats(rollout.old_logp, rollout.rollout_logp, mask, weights, self.cap,
                                        level=self.level)
-        return {name: float(value) for name, value in stats.items()}
+        if self.mode != "off":
+            rollout = replace(rollout, is_weights=weights)
+        return rollout, {name: float(value) for name, value in stats.items()}

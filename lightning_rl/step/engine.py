@@ -97,7 +97,7 @@ class CopyEngine(HFEngine):
     """Samples with its own copy of the policy's weights in ``dtype`` (bf16 by default): AMX / tensor-core
     arithmetic for rollouts while training keeps fp32 master weights. Its log-probs (``rollout_logp``)
     differ from the trainer's, so the step recomputes behaviour log-probs and corrects the gap
-    (``model.rollout_correction``) and logs it (``rollout/mismatch_*``).
+    (``model.logprobs.correction``) and logs it (``rollout/mismatch_*``).
 
     ``sync_weights`` copies the trained weights into the copy in place (cast), once per step before
     sampling: one parameter at a time, so under FSDP2 each is gathered alone (every rank joins each gather,
@@ -137,8 +137,9 @@ class CopyEngine(HFEngine):
         model = policy.model
         if is_sharded(model):  # FSDP2: the same architecture, built whole; weights arrive layer by layer
             if hasattr(model, "peft_config"):
-                raise ValueError("`model.engine: CopyEngine` under FSDP2 needs a model without adapters "
-                                 "(`model.peft`); use the default engine with LoRA under FSDP2")
+                raise ValueError("`model.engine: CopyEngine` under FSDP2 needs a model without "
+                                 "adapters "
+                                 "(`model.policy.peft`); use the default engine with LoRA under FSDP2")
             from transformers import AutoModelForCausalLM
 
             device = policy.device if policy.device.type != "meta" else torch.device("cpu")

@@ -12,6 +12,7 @@ Group estimators read one score per sample: ``rollout.rewards``, or the row sums
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -42,12 +43,22 @@ def sequence_scores(rollout: Rollout) -> Tensor:
     return rollout.rewards.float()
 
 
+Estimate = tuple[dict[str, Tensor], dict[str, float]]  # the rollout fields an estimator sets, its statistics
+
+
 class AdvantageEstimator:
-    """The estimator seam. ``min_group_size``: the smallest ``num_generations`` it can work with."""
+    """The estimator seam: subclass it and implement :meth:`estimate`. ``min_group_size``: the smallest
+    ``num_generations`` it can work with."""
 
     min_group_size: int = 2
 
-    def __call__(self, rollout: Rollout, collectives: Collectives) -> tuple[Tensor, dict[str, float]]:
+    def __call__(self, rollout: Rollout, collectives: Collectives) -> tuple[Rollout, dict[str, float]]:
+        """The stage: a new rollout with the estimate's fields set (the input is left as it was)."""
+        fields, stats = self.estimate(rollout, collectives)
+        return replace(rollout, **fields), stats
+
+    def estimate(self, rollout: Rollout, collectives: Collectives) -> Estimate:
+        """``{"advantages": [N] or [N, C]}`` (GAE adds ``"returns"``) and statistics."""
         raise NotImplementedError
 
 
@@ -58,19 +69,20 @@ class GroupNormalized(AdvantageEstimator):
     def __init__(self, scale: bool = True, eps: float = 1e-8) -> None:
         self.scale, self.eps = scale, eps
 
-    def __call__(self, rollout: Rollout, collectives: Collectives) -> tuple[Tensor, dict[str, float]]:
+    def estimate(self, rollout: Rollout, collectives: Collectives) -> Estimate:
         if not len(rollout):
-            return rollout.rewards.new_zeros(0), {}
-        return group_advantages(sequence_scores(rollout), group_size(rollout), self.eps, self.scale), {}
+            return {"advantages": rollout.rewards.new_zeros(0)}, {}
+        scores = sequence_scores(rollout)
+        return {"advantages": group_advantages(scores, group_size(rollout), self.eps, self.scale)}, {}
 
 
 class RLOO(AdvantageEstimator):
     """REINFORCE leave-one-out (Ahmadian et al., 2024): ``r_i - mean of the other G - 1 rewards``."""
 
-    def __call__(self, rollout: Rollout, collectives: Collectives) -> tuple[Tensor, dict[str, float]]:
+    def estimate(self, rollout: Rollout, collectives: Collectives) -> Estimate:
         if not len(rollout):
-            return rollout.rewards.new_zeros(0), {}
-        return rloo_advantages(sequence_scores(rollout), group_size(rollout)), {}
+            return {"advantages": rollout.rewards.new_zeros(0)}, {}
+        return {"advantages": rloo_advantages(sequence_scores(rollout), group_size(rollout))}, {}
 
 
 class ReinforceBaseline(AdvantageEstimator):
@@ -80,14 +92,14 @@ class ReinforceBaseline(AdvantageEstimator):
     def __init__(self, eps: float = 1e-8) -> None:
         self.eps = eps
 
-    def __call__(self, rollout: Rollout, collectives: Collectives) -> tuple[Tensor, dict[str, float]]:
+    def estimate(self, rollout: Rollout, collectives: Collectives) -> Estimate:
         mask = rollout.loss_mask
         centred = mask.new_zeros(mask.shape).float()
         if len(rollout):
             centred = reinforce_baseline_centered(sequence_scores(rollout), group_size(rollout), mask)
         moments = collectives.sum(masked_moments(centred, mask))  # every rank, whatever its rows
         # reinforce_baseline_advantages(..., moments=moments), without centring the rewards twice
-        return whiten(centred, mask, moments, self.eps), {}
+        return {"advantages": whiten(centred, mask, moments, self.eps)}, {}
 
 
 class GAE(AdvantageEstimator):
@@ -106,17 +118,16 @@ class GAE(AdvantageEstimator):
     def __init__(self, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True) -> None:
         for key, value in {"gamma": gamma, "lam": lam}.items():
             if not 0.0 <= value <= 1.0:
-                raise ValueError(f"`model.{key}` must be in [0, 1], got {value}")
+                raise ValueError(f"`model.advantage.init_args.{key}` must be in [0, 1], got {value}")
         self.gamma, self.lam, self.whiten = gamma, lam, whiten
 
-    def __call__(self, rollout: Rollout, collectives: Collectives) -> tuple[Tensor, dict[str, float]]:
+    def estimate(self, rollout: Rollout, collectives: Collectives) -> Estimate:
         if rollout.values is None:
             raise ValueError("GAE needs the critic's values (`rollout.values`): use it with a critic (PPO)")
         mask, values = rollout.loss_mask, rollout.values
         rewards = rollout.token_rewards if rollout.token_rewards is not None else token_rewards(
             rollout.rewards, mask)
         advantages, returns = gae_advantages(rewards, values, mask, self.gamma, self.lam)
-        rollout.returns = returns
         local = torch.cat([masked_moments(advantages, mask), masked_moments(values, mask),
                            masked_moments(returns, mask), masked_moments(returns - values, mask)])
         total = collectives.sum(local)
@@ -128,7 +139,7 @@ class GAE(AdvantageEstimator):
                  "critic/returns_mean": float(moments_mean_var(ret_m)[0]),
                  "critic/explained_variance": float(explained_variance(res_m, ret_m)),
                  "rollout/advantages_mean": float(adv_mean), "rollout/advantages_std": float(adv_var.sqrt())}
-        return advantages.float(), stats
+        return {"advantages": advantages.float(), "returns": returns}, stats
 
 
 class KLInReward:
@@ -146,8 +157,9 @@ class KLInReward:
                  horizon: int = 10000) -> None:
         self.value, self.estimator, self.target, self.horizon = coef, estimator, target, horizon
 
-    def __call__(self, rollout: Rollout, collectives: Collectives) -> tuple[Tensor, dict[str, float]]:
-        """``[N, C]`` per-token rewards (the coefficient used is the one before this rollout's update)."""
+    def __call__(self, rollout: Rollout, collectives: Collectives) -> tuple[Rollout, dict[str, float]]:
+        """The rollout with its ``[N, C]`` per-token rewards (the coefficient used is the one before this
+        rollout's update), and the mean KL and coefficient."""
         mask = rollout.loss_mask
         kl = kl_penalty(rollout.old_logp, rollout.ref_logp, self.estimator) * mask
         rewards = token_rewards(rollout.rewards, mask, kl, self.value)
@@ -157,7 +169,7 @@ class KLInReward:
         stats = {"policy/kl_in_reward": mean_kl, "policy/kl_coef": self.value}
         if self.target is not None:
             self.value = adaptive_kl_coef(self.value, mean_kl, self.target, int(sums[1]), self.horizon)
-        return rewards, stats
+        return replace(rollout, token_rewards=rewards), stats
 
     def state_dict(self) -> dict[str, Any]:
         return {"value": self.value}

@@ -51,7 +51,7 @@ class DynamicSampling(RolloutFilter):
 
     def __init__(self, max_gen_batches: int = 3) -> None:
         if max_gen_batches < 1:
-            raise ValueError(f"`model.max_gen_batches` must be >= 1, got {max_gen_batches}")
+            raise ValueError(f"`model.filters.max_gen_batches` must be >= 1, got {max_gen_batches}")
         self.max_gen_batches = max_gen_batches
 
     @staticmethod

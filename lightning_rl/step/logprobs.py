@@ -18,6 +18,7 @@ Behaviour log-probs (``old_logp``) come from one of:
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -51,15 +52,15 @@ def score_rollout(scorer: Any, rollout: Rollout, *, temperature: float, micro_ba
 
 
 def resolve_behaviour(source: str, updates_per_rollout: int, engine: Any) -> str:
-    """The behaviour source this step uses; ``auto`` resolved. Raises naming ``model.behaviour_logp``."""
+    """The behaviour source this step uses; ``auto`` resolved. Raises naming ``model.logprobs.behaviour``."""
     if source not in BEHAVIOUR_SOURCES:
-        raise ValueError(f"`model.behaviour_logp` must be one of {BEHAVIOUR_SOURCES}, got {source!r}")
+        raise ValueError(f"`model.logprobs.behaviour` must be one of {BEHAVIOUR_SOURCES}, got {source!r}")
     if source == "from_engine" and not engine.returns_logprobs:
-        raise ValueError(f"`model.behaviour_logp: from_engine` needs an engine that returns log-probs; "
+        raise ValueError(f"`model.logprobs.behaviour: from_engine` needs an engine that returns log-probs; "
                          f"{type(engine).__name__} does not")
     exact = updates_per_rollout == 1 and engine.is_trained_module
     if source == "on_policy" and not exact:
-        raise ValueError("`model.behaviour_logp: on_policy` is only exact with one update per rollout "
+        raise ValueError("`model.logprobs.behaviour: on_policy` is only exact with one update per rollout "
                          "(ppo_epochs * num_minibatches == 1) from an engine that samples with the trained "
                          "module; use `recompute`")
     if source == "auto":
@@ -90,17 +91,15 @@ class LogProbPasses:
                                  joiner=joiner)
 
         start = time.perf_counter()
-        if reference is not None:
-            rollout.ref_logp = score(reference)
+        ref_logp = score(reference) if reference is not None else rollout.ref_logp
         middle = time.perf_counter()
         if self.behaviour == "recompute":
-            rollout.old_logp = score(policy)
-        elif self.behaviour == "from_engine":
-            rollout.old_logp = rollout.rollout_logp
+            old_logp = score(policy)
         else:
-            rollout.old_logp = None
+            old_logp = rollout.rollout_logp if self.behaviour == "from_engine" else None
         end = time.perf_counter()
-        return rollout, {"perf/reference_time": middle - start, "perf/old_logprob_time": end - middle}
+        return replace(rollout, ref_logp=ref_logp, old_logp=old_logp), {
+            "perf/reference_time": middle - start, "perf/old_logprob_time": end - middle}
 
 
 @torch.no_grad()
@@ -116,3 +115,20 @@ def score_values(critic: Any, rollout: Rollout, micro_batch_size: int | None,
     if not out:
         return rollout.attention_mask.new_zeros(rollout.attention_mask.shape).float()
     return torch.cat(out, 0)
+
+
+class CriticValues:
+    """The stage that scores the critic's values of a rollout's completion tokens at rollout time (PPO's
+    GAE reads them): ``(rollout, collectives) -> (rollout with values, {})``.
+
+    Args:
+        critic: the value model (``lightning_rl.models.critic.Critic``), trained beside the policy.
+        micro_batch_size: rows per forward (``None``: the whole rollout at once).
+    """
+
+    def __init__(self, critic: Any, micro_batch_size: int | None) -> None:
+        self.critic, self.micro_batch_size = critic, micro_batch_size
+
+    def __call__(self, rollout: Rollout, collectives: Collectives) -> tuple[Rollout, dict[str, float]]:
+        return replace(rollout, values=score_values(self.critic, rollout, self.micro_batch_size,
+                                                    collectives)), {}

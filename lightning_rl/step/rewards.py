@@ -109,7 +109,7 @@ class RewardFailure:
 class FunctionErrors:
     """How often one reward function failed in a scored batch, and its last failure."""
 
-    fn: str  # import path, as in ``model.reward_fns``
+    fn: str  # import path, as in ``model.rewards.functions``
     count: int  # samples it failed on
     total: int  # samples scored
     last: RewardFailure
@@ -154,15 +154,15 @@ class RewardScorer:
         max_error_frac: float = 1.0,
     ) -> None:
         if not fns:
-            raise ValueError("`model.reward_fns` is empty: name at least one reward function")
+            raise ValueError("`model.rewards.functions` is empty: name at least one reward function")
         if weights is not None and len(weights) != len(fns):
             raise ValueError(
-                f"`model.reward_weights` has {len(weights)} values for {len(fns)} `model.reward_fns`"
+                f"`model.rewards.weights` has {len(weights)} values for {len(fns)} `model.rewards.functions`"
             )
         if on_error not in ("raise", "zero"):
-            raise ValueError(f"`model.on_reward_error` must be 'raise' or 'zero', got {on_error!r}")
+            raise ValueError(f"`model.rewards.on_error` must be 'raise' or 'zero', got {on_error!r}")
         if not 0.0 <= max_error_frac <= 1.0:
-            raise ValueError(f"`model.max_reward_error_frac` must be in [0, 1], got {max_error_frac}")
+            raise ValueError(f"`model.rewards.max_error_frac` must be in [0, 1], got {max_error_frac}")
         self.names = list(fns)
         self.fns = [import_reward(f) for f in fns]
         self.weights = list(weights) if weights is not None else [1.0] * len(fns)
@@ -186,8 +186,8 @@ class RewardScorer:
         here = "; ".join(str(e) for e in scores.errors) or "no reward failed here"
         raise RewardError(
             f"rewards failed on {failed:.0f} of {total:.0f} samples, more than "
-            f"`model.max_reward_error_frac`={self.max_error_frac}. {where + ': ' if where else ''}{here}. "
-            "Fix the reward function or raise the limit (`model.on_reward_error: raise` stops at the "
+            f"`model.rewards.max_error_frac`={self.max_error_frac}. {where + ': ' if where else ''}{here}. "
+            "Fix the reward function or raise the limit (`model.rewards.on_error: raise` stops at the "
             "first failure, with its traceback)"
         )
 
@@ -247,7 +247,7 @@ class RewardScorer:
                 raise RewardError(
                     f"reward function `{name}` returned {values[i]!r} for sample {i} "
                     f"(prompt {str(prompts[i])[:80]!r}, completion {str(completions[i])[:80]!r}); "
-                    "set `model.on_reward_error: zero` to score such samples 0 instead"
+                    "set `model.rewards.on_error: zero` to score such samples 0 instead"
                 )
             out.append(0.0)
             bad[i] = f"returned {values[i]!r}"
@@ -260,7 +260,7 @@ def overlong_shaping(buffer: int | str | None, factor: float,
     (``buffer`` None or 0); ``auto``: a fifth of ``max_new_tokens``, at least 1."""
     buffer = max(1, max_new_tokens // 5) if buffer == "auto" else buffer
     if buffer is not None and not 0 <= buffer <= max_new_tokens:
-        raise ValueError(f"`model.overlong_buffer` must be 'auto' or in "
+        raise ValueError(f"`model.rewards.overlong_buffer` must be 'auto' or in "
                          f"[0, max_new_tokens={max_new_tokens}], got {buffer}")
     return (max_new_tokens, buffer, factor) if buffer else None
 
@@ -397,7 +397,7 @@ class RewardPipeline:
         return RewardResult(rewards, correct, scores, stats)
 
     def check_failures(self, scores: RewardScores, collectives: Any) -> None:
-        """Stop when failures summed over all ranks exceed ``model.max_reward_error_frac`` (every rank
+        """Stop when failures summed over all ranks exceed ``model.rewards.max_error_frac`` (every rank
         makes the all-reduce and reaches the same verdict, so they raise together)."""
         import torch
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_rl.maths.aggregation import normalizer_counts
+from lightning_rl.maths.aggregation import aggregate, masked_mean, normalizer_counts
 from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.rollout import Rollout
 
@@ -69,13 +69,13 @@ class Updater:
 
     def __init__(self, ppo_epochs: int = 1, num_minibatches: int = 1, micro_batch_size: int | None = None,
                  max_grad_norm: float | None = 1.0) -> None:
-        for key, value in {"ppo_epochs": ppo_epochs, "num_minibatches": num_minibatches}.items():
+        for key, value in {"epochs": ppo_epochs, "num_minibatches": num_minibatches}.items():
             if not value > 0:
-                raise ValueError(f"`model.{key}` must be > 0, got {value}")
+                raise ValueError(f"`model.update.{key}` must be > 0, got {value}")
         if micro_batch_size is not None and micro_batch_size < 1:
-            raise ValueError(f"`model.micro_batch_size` must be >= 1, got {micro_batch_size}")
+            raise ValueError(f"`model.update.micro_batch_size` must be >= 1, got {micro_batch_size}")
         if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"`model.max_grad_norm` must be > 0 or null, got {max_grad_norm}")
+            raise ValueError(f"`model.update.max_grad_norm` must be > 0 or null, got {max_grad_norm}")
         self.ppo_epochs, self.num_minibatches = ppo_epochs, num_minibatches
         self.micro_batch_size, self.max_grad_norm = micro_batch_size, max_grad_norm
 
@@ -138,3 +138,22 @@ def pad_fraction(micro: Rollout) -> Tensor:
     total = micro.prompt_ids.numel() + micro.completion_ids.numel()
     real = micro.prompt_mask.sum() + micro.attention_mask.sum()
     return 1.0 - real.float() / max(total, 1)
+
+
+def policy_loss(policy: Any, micro: Rollout, objective: Any, entropy_coef: float, temperature: float,
+                num_tokens: Tensor, num_seqs: Tensor) -> tuple[Tensor, dict[str, Any]]:
+    """The policy's loss on a micro-batch: the objective (normalised by the minibatch's global counts)
+    minus ``entropy_coef`` x the entropy, aggregated like the loss; ``policy/entropy`` is always logged.
+    Log-probs are scored at the sampling ``temperature``; on-policy rows (``old_logp`` None) use the current
+    log-probs, detached."""
+    logp, entropy = policy.token_logprobs(micro.prompt_ids, micro.prompt_mask, micro.completion_ids,
+                                          micro.attention_mask, with_entropy=True, temperature=temperature)
+    old_logp = micro.old_logp if micro.old_logp is not None else logp.detach()
+    loss, metrics = objective(logp, old_logp, micro.ref_logp, micro.advantages, micro.loss_mask,
+                              num_tokens=num_tokens, num_seqs=num_seqs, token_weights=micro.is_weights)
+    if entropy_coef:
+        loss = loss - entropy_coef * aggregate(entropy, micro.loss_mask, objective.aggregation,
+                                               num_tokens=num_tokens, num_seqs=num_seqs)
+    metrics["policy/entropy"] = masked_mean(entropy.detach(), micro.loss_mask.bool())
+    metrics["policy/loss"] = loss
+    return loss, metrics

@@ -60,7 +60,7 @@ def render_pair(tokenizer: Any, prompt: Any, completion: Any, chat_template: boo
         return prompt, completion, False
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
-            "conversational rows (or `model.chat_template`) need a tokenizer with a chat template"
+            "conversational rows (or `model.policy.chat_template`) need a tokenizer with a chat template"
         )
     prompt_msgs = _messages(prompt, "user")
     prompt_text = tokenizer.apply_chat_template(prompt_msgs, tokenize=False, add_generation_prompt=True)

@@ -27,7 +27,8 @@ def render_prompts(
         messages = [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError(
-                "`model.chat_template` is on (or prompts are messages) but the tokenizer has no chat template"
+                "`model.policy.chat_template` is on (or prompts are messages) but the tokenizer has no chat "
+                "template"
             )
         extra = {} if tools is None else {"tools": tools}  # unchanged calls when no tools are configured
         out.append(

@@ -1,0 +1,98 @@
+"""The online step's stages, each built from its option group (``lightning_rl.algorithms.options``).
+
+``OnlineRL.__init__`` calls these in order; each function takes one group (and the little it needs from the
+module: the tokenizer, the token budget, a render function) and returns the stage objects. A contributor who
+adds an option to a group builds it here, next to the other stages of that group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_rl.algorithms.options import EpisodeOptions, FilterOptions, ObjectiveOptions, RewardOptions
+from lightning_rl.episodes.environments import EpisodeRunner, episode_runner
+from lightning_rl.episodes.tools import HermesFormat
+from lightning_rl.maths.objective import Objective
+from lightning_rl.models.reward_model import RewardModelScorer
+from lightning_rl.step.estimators import KLInReward
+from lightning_rl.step.filters import DynamicSampling, RolloutFilter
+from lightning_rl.step.rewards import FullScore, RewardPipeline, RewardScorer, import_reward, overlong_shaping
+
+DEFAULT_REWARD = "lightning_rl.step.rewards:exact_match"
+
+
+def objective_stages(o: ObjectiveOptions) -> tuple[Objective, KLInReward | None]:
+    """The loss (its KL term off when the KL is in the reward) and the KL-in-reward penalty (``None`` unless
+    ``kl_in_reward`` with ``kl_coef`` > 0)."""
+    objective = Objective(
+        ratio_level=o.ratio_level, trust_region=o.trust_region, clip_low=o.clip_low, clip_high=o.clip_high,
+        clip_ratio_c=o.clip_ratio_c, tau_pos=o.tau_pos, tau_neg=o.tau_neg, aggregation=o.aggregation,
+        kl_coef=0.0 if o.kl_in_reward else o.kl_coef, kl_estimator=o.kl_estimator, kl_clamp=o.kl_clamp)
+    in_reward = o.kl_in_reward and o.kl_coef > 0
+    return objective, KLInReward(o.kl_coef, o.kl_estimator, o.kl_target, o.kl_horizon) if in_reward else None
+
+
+def filter_stages(o: FilterOptions) -> list[RolloutFilter]:
+    """Dynamic sampling (when on), then the extra filters, in the order they run."""
+    return ([DynamicSampling(o.max_gen_batches)] if o.dynamic_sampling else []) + list(o.extra)
+
+
+def episode_stage(o: EpisodeOptions, *, tokenizer: Any, chat: bool, max_new_tokens: int,
+                  max_prompt_length: int, context: int | None) -> tuple[EpisodeRunner | None, list | None]:
+    """The episode runner (``None`` without an environment or tools) and, for the Hermes tool format, the
+    tool schemas the chat template renders into prompts."""
+    runner = episode_runner(
+        o.environment, o.tools, tokenizer=tokenizer, chat=chat, max_turns=o.max_turns,
+        max_new_tokens=max_new_tokens, max_episode_tokens=o.max_episode_tokens,
+        max_prompt_length=max_prompt_length, context=context, tool_format=o.tool_format,
+        tool_timeout=o.tool_timeout, on_env_error=o.on_error)
+    if runner is not None and isinstance(runner.format, HermesFormat):
+        return runner, [t.schema for t in runner.tools.values()] or None
+    return runner, None
+
+
+@dataclass
+class RewardStages:
+    """The reward functions' scorer (``None`` for a reward model's or an environment's rewards alone), what
+    decides ``val/accuracy`` and the rollouts' correctness, and the pipeline that alone assembles the
+    reward."""
+
+    scorer: RewardScorer | None
+    accuracy_fn: Callable[..., Any]
+    accuracy_name: str
+    correctness_fn: Callable[..., Any]
+    pipeline: RewardPipeline
+
+
+def reward_stages(o: RewardOptions, *, environment_only: bool, budget: int, render: Callable,
+                  trust_remote_code: bool) -> RewardStages:
+    """The reward stages; an unset ``accuracy_fn`` follows the main reward function (or ``exact_match``
+    when there are no reward functions); an unset ``correctness_fn`` follows ``accuracy_fn``.
+
+    ``environment_only``: ``functions: []`` with an environment means the environment's rewards alone.
+    ``budget``: the tokens a sample may take (one turn, or the episode), for overlong shaping.
+    """
+    functions = o.functions if o.functions is not None else (None if o.model else [DEFAULT_REWARD])
+    if functions == [] and environment_only:
+        functions = None
+    scorer = None if functions is None else RewardScorer(functions, o.weights, o.on_error, o.max_error_frac)
+    if o.accuracy_fn is None and scorer is not None:
+        accuracy_fn: Any = main_reward(scorer)
+        accuracy_name = repr(accuracy_fn)
+    else:
+        accuracy_name = o.accuracy_fn or DEFAULT_REWARD
+        accuracy_fn = import_reward(accuracy_name)
+    correctness_fn = import_reward(o.correctness_fn) if o.correctness_fn else accuracy_fn
+    model = RewardModelScorer(o.model, trust_remote_code=trust_remote_code) if o.model else None
+    overlong = overlong_shaping(o.overlong_buffer, o.overlong_penalty_factor, budget)
+    pipeline = RewardPipeline(scorer, correctness_fn, reward_model=model, reward_model_weight=o.model_weight,
+                              render=render, overlong=overlong)
+    return RewardStages(scorer, accuracy_fn, accuracy_name, correctness_fn, pipeline)
+
+
+def main_reward(scorer: RewardScorer) -> FullScore:
+    """Correctness by the first reward function of the largest weight, at its full score."""
+    best = max(range(len(scorer.fns)), key=lambda i: (scorer.weights[i], -i))
+    return FullScore(scorer.names[best], scorer.fns[best])

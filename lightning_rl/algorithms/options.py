@@ -1,0 +1,340 @@
+"""The option groups: what a YAML sets under ``model.init_args``, one small frozen dataclass per concern.
+
+Every algorithm takes its options as a few typed groups instead of dozens of flat keys; LightningCLI turns
+each group into a nested mapping (``model.init_args.sampling.temperature``), ``--print_config`` shows
+them, and each group checks its own fields when it is built, naming the YAML key that is wrong. A preset
+(GRPO, DAPO, PPO...) is the same module with other default groups: a YAML that sets one field of a group
+keeps the preset's other fields. From Python, change a preset's group with :func:`dataclasses.replace`
+on its default (``lightning_rl.algorithms.presets.preset_defaults(DAPO)["objective"]``) or with
+``DAPO.configured(objective={...})``.
+
+``PolicyOptions`` and ``ValidationOptions`` are every algorithm's (SFT, DPO, the online family);
+the rest are the online RL step's (:class:`~lightning_rl.algorithms.online.OnlineRL`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+
+from lightning_rl.episodes.environments import Environment
+from lightning_rl.maths.advantages import KLEstimator
+from lightning_rl.maths.aggregation import Aggregation
+from lightning_rl.maths.ratio_levels import RatioLevel
+from lightning_rl.maths.trust_regions import TrustRegion
+from lightning_rl.step.correction import RolloutCorrection
+from lightning_rl.step.filters import RolloutFilter
+from lightning_rl.step.logprobs import BehaviourSource
+
+OnError = Literal["raise", "zero"]
+
+
+def require(group: str, **checks: tuple[bool, Any]) -> None:
+    """Raise ``ValueError`` naming ``model.<group>.<key>`` for the first check that fails."""
+    for key, (ok, value) in checks.items():
+        if not ok:
+            raise ValueError(f"`model.{group}.{key}` is out of range, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    """The trained policy: what is loaded and how it is held.
+
+    Args:
+        model: hub id, local ``save_pretrained`` folder, or ``builtin:tiny-sort`` / ``builtin:tiny-scratch``.
+        dtype: weights dtype (``float32``, ``bfloat16``, ``float16``, ``auto``); ``None`` loads float32
+            whatever the checkpoint holds, ``auto`` keeps the checkpoint's.
+        trust_remote_code: allow model code from the hub (off by default).
+        gradient_checkpointing: trade compute for memory in the forward pass (the critic's too).
+        chat_template: render plain-string prompts with the tokenizer's chat template.
+        max_prompt_length: longest prompt in tokens; longer ones fail before training, naming the row.
+        peft: train adapters only: a ``peft.PeftConfig`` subclass as ``class_path`` + ``init_args`` (e.g.
+            ``peft.LoraConfig``), applied right after loading. The KL / DPO reference is then the same
+            weights with the adapters disabled, and checkpoints hold the adapters and optimiser state only.
+            From Python a ``peft.PeftConfig`` instance works too. Needs ``pip install 'lightning-rl[peft]'``.
+        export_merged: with adapters, the exported policy folder holds the merged weights instead of the
+            adapter folder.
+        fsdp_cpu_offload: under FSDP2, keep sharded parameters, gradients and optimiser state in CPU memory.
+        fsdp_param_dtype: under FSDP2, the compute dtype of gathered parameters (``None``: the weights').
+        fsdp_reduce_dtype: under FSDP2, the dtype of the gradient reduce-scatter (``None``: the param dtype).
+    """
+
+    model: str = "builtin:tiny-sort"
+    dtype: str | None = None
+    trust_remote_code: bool = False
+    gradient_checkpointing: bool = False
+    chat_template: bool = False
+    max_prompt_length: int = 512
+    peft: dict[str, Any] | None = None
+    export_merged: bool = False
+    fsdp_cpu_offload: bool = False
+    fsdp_param_dtype: str | None = None
+    fsdp_reduce_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        require("policy", max_prompt_length=(self.max_prompt_length >= 1, self.max_prompt_length))
+
+
+@dataclass(frozen=True)
+class ValidationOptions:
+    """How held-out prompts (and predict) are completed and judged (SFT, DPO; the online family sets these
+    from ``sampling`` and ``rewards``).
+
+    Args:
+        max_new_tokens: completion budget of greedy validation and predict.
+        accuracy_fn: ``module:function`` scoring greedy completions; ``val/accuracy`` is its mean
+            (``None``: ``lightning_rl.step.rewards:exact_match``).
+    """
+
+    max_new_tokens: int = 64
+    accuracy_fn: str | None = None
+
+    def __post_init__(self) -> None:
+        require("validation", max_new_tokens=(self.max_new_tokens >= 1, self.max_new_tokens))
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """The rollout: how many completions per prompt, how long, and how they are drawn.
+
+    Args:
+        num_generations: samples per prompt (G), at least the advantage estimator's ``min_group_size``.
+        max_new_tokens: completion budget of a rollout, of validation and of predict (one turn's budget in
+            episodes).
+        temperature: sampling temperature; log-probs are scored at it too, on the unfiltered distribution.
+        top_p: nucleus sampling (1.0: off); sampling only, never scoring.
+        top_k: top-k sampling (0: off); sampling only, never scoring.
+        share_prompt_prefix: run each distinct prompt once in sampling and scoring (same numbers; off under
+            FSDP2 / ZeRO-3, and for scoring under gradient checkpointing).
+        seed: sampling is seeded by (this, step, round, rank): a resumed run samples the same.
+    """
+
+    num_generations: int = 8
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    share_prompt_prefix: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        require("sampling", num_generations=(self.num_generations >= 1, self.num_generations),
+                max_new_tokens=(self.max_new_tokens >= 1, self.max_new_tokens),
+                temperature=(self.temperature > 0, self.temperature),
+                top_p=(0 < self.top_p <= 1, self.top_p), top_k=(self.top_k >= 0, self.top_k))
+
+
+@dataclass(frozen=True)
+class RewardOptions:
+    """The reward: functions, a reward model, shaping, and what counts as correct.
+
+    Args:
+        functions: reward functions by import path (``package.module:function``); ``None``: ``exact_match``,
+            or none with a reward ``model``; ``[]`` with an environment: the environment's rewards alone.
+        weights: one weight per function (default 1.0 each).
+        model: a one-label sequence-classification folder whose weighted score of the rendered prompt +
+            completion is added (kept out of checkpoints and optimisers).
+        model_weight: the reward model's weight.
+        correctness_fn: decides ``rollout.correct`` (filters, ``rollout/correct_frac``); ``None`` uses
+            ``accuracy_fn``.
+        accuracy_fn: decides greedy ``val/accuracy``; ``None`` follows the main reward function (the first
+            of the largest weight): a sample is correct where it scores 1.0 or more.
+        on_error: ``raise`` stops on a reward function error or NaN; ``zero`` scores it 0, counts it in
+            ``rollout/reward_errors`` and warns, naming the function and its last error.
+        max_error_frac: with ``on_error: zero``, stop when more than this fraction of a step's samples (all
+            ranks) had a failed reward.
+        overlong_buffer: DAPO's soft overlong punishment over the last this-many tokens of the budget:
+            ``None`` or 0: off; ``auto``: a fifth of the budget, at least 1. Logged as
+            ``rollout/overlong_penalty_mean``.
+        overlong_penalty_factor: weight of the overlong penalty added to the reward.
+    """
+
+    functions: list[str] | None = None
+    weights: list[float] | None = None
+    model: str | None = None
+    model_weight: float = 1.0
+    correctness_fn: str | None = None
+    accuracy_fn: str | None = None
+    on_error: OnError = "raise"
+    max_error_frac: float = 0.5
+    overlong_buffer: int | Literal["auto"] | None = None
+    overlong_penalty_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        require("rewards", max_error_frac=(0 <= self.max_error_frac <= 1, self.max_error_frac))
+
+
+@dataclass(frozen=True)
+class EpisodeOptions:
+    """Multi-turn episodes: on when an ``environment`` or ``tools`` is set; every rollout, validation and
+    prediction is then an episode (``lightning_rl.episodes.environments``).
+
+    Args:
+        environment: a ``lightning_rl.episodes.environments.Environment`` as ``class_path``: it answers each
+            model turn without a tool call; its step and final rewards are added to the reward functions'.
+        tools: callables the model may call (``package.module:function``), their schemas rendered by the chat
+            template where it supports tools.
+        max_turns: model turns per episode; ``sampling.max_new_tokens`` is then one turn's budget.
+        max_episode_tokens: tokens after the prompt (model and observation tokens) per episode; an episode
+            that would pass it ends ``truncated``. ``None``: ``max_turns * max_new_tokens``.
+        tool_format: ``auto`` (Hermes ``<tool_call>`` JSON through a chat template that supports tools, else
+            the plain ``<tool>name(args)</tool>`` format), ``hermes`` or ``plain``.
+        tool_timeout: seconds a tool call may take; a slower call answers an error observation.
+        on_error: ``raise`` stops on an environment exception, naming it and the episode; ``zero`` ends the
+            episode with return 0 and counts it in ``rollout/env_errors``.
+    """
+
+    environment: Environment | None = None
+    tools: list[str] | None = None
+    max_turns: int = 4
+    max_episode_tokens: int | None = None
+    tool_format: Literal["auto", "hermes", "plain"] = "auto"
+    tool_timeout: float = 10.0
+    on_error: OnError = "raise"
+
+    @property
+    def enabled(self) -> bool:
+        return self.environment is not None or bool(self.tools)
+
+
+@dataclass(frozen=True)
+class ObjectiveOptions:
+    """The policy loss: the objective axes of :class:`lightning_rl.maths.objective.Objective`, the KL to the
+    reference (in the loss or in the reward) and the entropy bonus.
+
+    Args:
+        ratio_level: ``token`` or ``sequence`` (GSPO's length-normalised ratio).
+        trust_region: ``clip`` (``clip_low``, ``clip_high``; dual-clip with ``clip_ratio_c``), ``soft_gate``
+            (SAPO's, ``tau_pos``, ``tau_neg``) or ``cispo`` (clipped IS weight, ``clip_high``).
+        clip_low: the ratio's clip range starts at ``1 - clip_low``.
+        clip_high: the ratio's clip range ends at ``1 + clip_high`` (clip-higher when above ``clip_low``).
+        clip_ratio_c: dual-clip bound for negative advantages (``None``: off).
+        tau_pos: the soft gate's temperature for positive advantages.
+        tau_neg: the soft gate's temperature for negative advantages.
+        aggregation: ``token-mean``, ``seq-mean-token-mean`` or ``seq-mean-token-sum``.
+        kl_coef: weight of the KL to the reference (0: no reference is built).
+        kl_estimator: ``k1``, ``k2`` or ``k3``.
+        kl_clamp: clamp the per-token KL term in the loss to ``[-kl_clamp, kl_clamp]`` (``None``: off).
+        kl_in_reward: the KL as a per-token reward penalty (``lightning_rl.step.estimators.KLInReward``)
+            instead of the loss term.
+        kl_target: with ``kl_in_reward``, an adaptive coefficient aiming at this mean KL (``None``: fixed).
+        kl_horizon: the adaptive coefficient's horizon in steps.
+        entropy_coef: weight of an entropy bonus aggregated like the loss (0: off; always logged).
+    """
+
+    ratio_level: RatioLevel = "token"
+    trust_region: TrustRegion = "clip"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_ratio_c: float | None = None
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+    aggregation: Aggregation = "seq-mean-token-mean"
+    kl_coef: float = 0.0
+    kl_estimator: KLEstimator = "k3"
+    kl_clamp: float | None = None
+    kl_in_reward: bool = False
+    kl_target: float | None = None
+    kl_horizon: int = 10000
+    entropy_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        require("objective", kl_coef=(self.kl_coef >= 0, self.kl_coef),
+                entropy_coef=(self.entropy_coef >= 0, self.entropy_coef),
+                kl_horizon=(self.kl_horizon >= 1, self.kl_horizon),
+                kl_target=(self.kl_target is None or self.kl_target > 0, self.kl_target))
+        if self.kl_target is not None and not (self.kl_in_reward and self.kl_coef > 0):
+            raise ValueError("`model.objective.kl_target` (adaptive KL) needs `model.objective.kl_in_reward: "
+                             "true` and `model.objective.kl_coef` > 0")
+
+
+@dataclass(frozen=True)
+class FilterOptions:
+    """What leaves the rollout before advantages: DAPO's dynamic sampling, its overlong filtering, and any
+    more rollout filters.
+
+    Args:
+        dynamic_sampling: keep only groups with mixed correctness, refilled from new prompts
+            (``lightning_rl.step.filters.DynamicSampling``, up to ``max_gen_batches`` rounds).
+        max_gen_batches: generation rounds per step with dynamic sampling, the first included.
+        mask_truncated: leave completions that hit the token budget out of the loss.
+        extra: more filters (``lightning_rl.step.filters.RolloutFilter`` as ``class_path``), applied after
+            dynamic sampling.
+    """
+
+    dynamic_sampling: bool = False
+    max_gen_batches: int = 3
+    mask_truncated: bool = False
+    extra: list[RolloutFilter] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        require("filters", max_gen_batches=(self.max_gen_batches >= 1, self.max_gen_batches))
+
+
+@dataclass(frozen=True)
+class LogProbOptions:
+    """Where the behaviour log-probs come from, and the correction when the sampler is not the trained
+    module (``lightning_rl.step.logprobs``, ``lightning_rl.step.correction``).
+
+    Args:
+        behaviour: ``auto``, ``recompute``, ``from_engine`` or ``on_policy``.
+        correction: importance weights for an engine that is not the trained module
+            (``RolloutCorrection``; ``None``: token-level, truncated at 2.0).
+    """
+
+    behaviour: BehaviourSource = "auto"
+    correction: RolloutCorrection | None = None
+
+
+@dataclass(frozen=True)
+class UpdateOptions:
+    """The updater (``lightning_rl.step.update.Updater``): passes, minibatches, micro-batches, clipping.
+
+    Args:
+        epochs: passes over each rollout (PPO's epochs).
+        num_minibatches: optimiser steps per pass (each rank splits its rollout into this many).
+        micro_batch_size: rows per forward / backward (``None``: a whole minibatch at once).
+        max_grad_norm: gradient clipping by global norm (``None``: off).
+    """
+
+    epochs: int = 1
+    num_minibatches: int = 1
+    micro_batch_size: int | None = None
+    max_grad_norm: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        mbs, norm = self.micro_batch_size, self.max_grad_norm
+        require("update", epochs=(self.epochs >= 1, self.epochs),
+                num_minibatches=(self.num_minibatches >= 1, self.num_minibatches),
+                micro_batch_size=(mbs is None or mbs >= 1, mbs),
+                max_grad_norm=(norm is None or norm > 0, norm))
+
+
+@dataclass(frozen=True)
+class CriticOptions:
+    """PPO's value model, trained beside the policy with its own optimiser.
+
+    Args:
+        model: where it starts: ``None`` copies the policy's weights (fresh scalar head); else a folder or
+            hub id that ``AutoModelForTokenClassification`` loads with one label (a causal LM, a reward model
+            from ``configs/reward_model.yaml``, a saved critic) with the policy's vocabulary.
+        optimizer: its optimiser factory (``class_path`` + ``init_args``).
+        lr_scheduler: its LR scheduler factory, stepped with its optimiser.
+        vf_coef: weight of the value loss.
+        value_clip: clip range around the rollout-time values (``None``: off).
+        warmup: rollouts at the start during which only the critic learns.
+    """
+
+    model: str | None = None
+    optimizer: OptimizerCallable = torch.optim.AdamW
+    lr_scheduler: LRSchedulerCallable | None = None
+    vf_coef: float = 0.5
+    value_clip: float | None = 0.2
+    warmup: int = 0
+
+    def __post_init__(self) -> None:
+        require("critic", vf_coef=(self.vf_coef > 0, self.vf_coef), warmup=(self.warmup >= 0, self.warmup),
+                value_clip=(self.value_clip is None or self.value_clip > 0, self.value_clip))

@@ -1,0 +1,76 @@
+"""How presets and the flat keys of old map onto the option groups (``lightning_rl.algorithms.options``).
+
+:func:`preset_defaults` reads a preset's default groups from its signature (what LightningCLI shows);
+:func:`with_changes` merges mappings over them (``OnlineRL.configured``, as a YAML does). The ``*_MOVED_KEYS``
+tables are each algorithm family's flat keys from before the groups and their new paths: a YAML that still
+uses one stops with a line naming the new key (``lightning_rl.cli.config_errors``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+from lightning_rl.algorithms.options import ObjectiveOptions, PolicyOptions
+
+
+def preset_defaults(cls: type) -> dict[str, Any]:
+    """Each constructor key of ``cls`` and its default, the nearest class in the MRO deciding (what
+    LightningCLI shows for a preset that re-declares only the groups it changes)."""
+    defaults: dict[str, Any] = {}
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        for name, param in inspect.signature(vars(klass)["__init__"]).parameters.items():
+            if param.default is not inspect.Parameter.empty and name not in defaults:
+                defaults[name] = param.default
+    return defaults
+
+
+def with_changes(cls: type, changes: dict[str, Any]) -> dict[str, Any]:
+    """Constructor arguments for ``cls``: a mapping given for a group changes those fields of the preset's
+    default group (as a YAML does); anything else is passed as is."""
+    defaults = preset_defaults(cls)
+    out = {}
+    for name, value in changes.items():
+        default = defaults.get(name)
+        if isinstance(value, dict) and dataclasses.is_dataclass(default):
+            value = dataclasses.replace(default, **value)
+        out[name] = value
+    return out
+
+
+POLICY_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(PolicyOptions))
+# SFT / DPO (PolicyModule): each flat key before the option groups, and where it is now
+BASE_MOVED_KEYS: dict[str, str] = {
+    **{key: f"policy.{key}" for key in POLICY_KEYS},
+    **{key: f"validation.{key}" for key in ("max_new_tokens", "accuracy_fn")},
+}
+# Each flat key of the online family before the option groups, and where it is now (under model.init_args)
+ONLINE_MOVED_KEYS: dict[str, str] = {
+    **{key: f"policy.{key}" for key in POLICY_KEYS},
+    **{key: f"sampling.{key}" for key in ("num_generations", "max_new_tokens", "temperature", "top_p",
+                                           "top_k", "share_prompt_prefix")},
+    "rollout_seed": "sampling.seed",
+    "reward_fns": "rewards.functions", "reward_weights": "rewards.weights", "reward_model": "rewards.model",
+    "reward_model_weight": "rewards.model_weight", "correctness_fn": "rewards.correctness_fn",
+    "accuracy_fn": "rewards.accuracy_fn", "on_reward_error": "rewards.on_error",
+    "max_reward_error_frac": "rewards.max_error_frac", "overlong_buffer": "rewards.overlong_buffer",
+    "overlong_penalty_factor": "rewards.overlong_penalty_factor",
+    **{key: f"episodes.{key}" for key in ("environment", "tools", "max_turns", "max_episode_tokens",
+                                           "tool_format", "tool_timeout")},
+    "on_env_error": "episodes.on_error",
+    **{f.name: f"objective.{f.name}" for f in dataclasses.fields(ObjectiveOptions)},
+    "dynamic_sampling": "filters.dynamic_sampling", "max_gen_batches": "filters.max_gen_batches",
+    "mask_truncated": "filters.mask_truncated",
+    "behaviour_logp": "logprobs.behaviour", "rollout_correction": "logprobs.correction",
+    "ppo_epochs": "update.epochs", "num_minibatches": "update.num_minibatches",
+    "micro_batch_size": "update.micro_batch_size", "max_grad_norm": "update.max_grad_norm",
+}
+PPO_MOVED_KEYS: dict[str, str] = {
+    **ONLINE_MOVED_KEYS, "critic_model": "critic.model", "critic_optimizer": "critic.optimizer",
+    "critic_lr_scheduler": "critic.lr_scheduler", "vf_coef": "critic.vf_coef",
+    "value_clip": "critic.value_clip", "critic_warmup": "critic.warmup",
+    "gamma": "advantage.init_args.gamma", "lam": "advantage.init_args.lam",
+    "whiten_advantages": "advantage.init_args.whiten"}
