@@ -169,7 +169,7 @@ def prepare(workload: str, log: Any = print) -> dict[str, Any]:
 
     spec: dict[str, Any] = {"workload": workload, **WORKLOADS[workload]}
     if workload == "A":
-        from lightning_rl.models.loading import EMBEDDED_MODEL
+        from lightning_rl.models.builtin import EMBEDDED_MODEL
 
         folder = tasks.CACHE / "workload_a"
         ordered = folder / "train_ordered.jsonl"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from lightning_rl.episodes.tools import calculator
-from lightning_rl.models.loading import EOS
+from lightning_rl.models.builtin import EOS
 
 LOW, HIGH = 10, 999  # each factor is uniform in [LOW, HIGH]: 2 or 3 digits
 TOOL_NAME = "calculator"

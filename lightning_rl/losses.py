@@ -1,31 +1,20 @@
 """The published contract (DESIGN.md, "Contract: ``lightning_rl.losses``"): every loss, advantage, penalty and
 importance-weight function under its contract name, importable from here whatever module of the maths layer
-defines it (``lightning_rl.maths``: ``losses``, ``advantages``, ``aggregation``, ``trust_regions``,
-``ratio_levels``, ``preference_losses``). Code inside the package imports from the defining module; users
-and the contract tests from here.
+defines it (``lightning_rl.maths``: ``losses``, ``policy_presets``, ``advantages``, ``penalties``,
+``rollout_weights``, ``aggregation``, ``trust_regions``, ``ratio_levels``, ``preference_losses``). Code
+inside the package imports from the defining module; users and the contract tests from here.
 """
 
 from lightning_rl.maths.advantages import (
-    KL_ESTIMATORS,
-    ROLLOUT_IS_LEVELS,
-    ROLLOUT_IS_MODES,
-    KLEstimator,
-    RolloutISLevel,
-    RolloutISMode,
-    adaptive_kl_coef,
     dapo_group_keep,
     explained_variance,
     gae_advantages,
     group_advantages,
-    kl_penalty,
     masked_moments,
     moments_mean_var,
-    overlong_penalty,
     reinforce_baseline_advantages,
     reinforce_baseline_centered,
     rloo_advantages,
-    rollout_is_weights,
-    rollout_mismatch_stats,
     token_rewards,
     whiten,
 )
@@ -37,19 +26,25 @@ from lightning_rl.maths.aggregation import (
     masked_mean,
     normalizer_counts,
 )
-from lightning_rl.maths.losses import (
-    broadcast_advantages,
-    dapo_loss,
-    entropy_from_logits,
-    grpo_loss,
-    gspo_loss,
-    policy_loss,
-    ppo_policy_loss,
-    sapo_loss,
-    value_loss,
+from lightning_rl.maths.losses import broadcast_advantages, entropy_from_logits, policy_loss, value_loss
+from lightning_rl.maths.penalties import (
+    KL_ESTIMATORS,
+    KLEstimator,
+    adaptive_kl_coef,
+    kl_penalty,
+    overlong_penalty,
 )
+from lightning_rl.maths.policy_presets import dapo_loss, grpo_loss, gspo_loss, ppo_policy_loss, sapo_loss
 from lightning_rl.maths.preference_losses import DPO_LOSS_TYPES, DPOLossType, dpo_loss, reward_model_loss
 from lightning_rl.maths.ratio_levels import RATIO_LEVELS, RatioLevel, sequence_log_ratio, token_log_ratio
+from lightning_rl.maths.rollout_weights import (
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_IS_MODES,
+    RolloutISLevel,
+    RolloutISMode,
+    rollout_is_weights,
+    rollout_mismatch_stats,
+)
 from lightning_rl.maths.trust_regions import (
     SAPO_LOG_RATIO_CLAMP,
     TRUST_REGION_INPUTS,

@@ -10,13 +10,8 @@ import pytest
 
 from lightning_rl.data import MultiplyTask, PromptDataModule
 from lightning_rl.data.calc_task import tool_call, tool_trace_rows
-from lightning_rl.models.loading import (
-    BUILTIN_MODELS,
-    TOOLS_MODEL,
-    build_char_tokenizer,
-    load_policy,
-    load_pretrained,
-)
+from lightning_rl.models.builtin import BUILTIN_MODELS, TOOLS_MODEL, build_char_tokenizer
+from lightning_rl.models.loading import load_policy, load_pretrained
 
 ROW = {"prompt": "37*482=", "answer": "17834"}
 CALL = '<tool>calculator("37*482")</tool>'

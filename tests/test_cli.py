@@ -27,7 +27,7 @@ def test_every_config_instantiates(config, tmp_path):
     if config.parent.name != "configs":  # overlays apply on top of the GRPO config
         args = ["--config", CONFIGS / "grpo.yaml", *args]
     if config.name == "ppo_rm.yaml":  # its reward model is what configs/reward_model.yaml trains first
-        from lightning_rl.models.reward_model import load_reward_network
+        from lightning_rl.models.reward_network import load_reward_network
 
         load_reward_network("builtin:tiny-sort").save_pretrained(str(tmp_path / "rm"))
         args += ["--model.init_args.rewards.model", tmp_path / "rm"]
@@ -125,7 +125,7 @@ def test_sft_regenerates_the_embedded_model(tmp_path):
 
 
 def test_embedded_model_is_shipped():
-    from lightning_rl.models.loading import EMBEDDED_MODEL
+    from lightning_rl.models.builtin import EMBEDDED_MODEL
 
     assert (ROOT / "data" / "tiny_sort" / "model.safetensors").exists()
     assert EMBEDDED_MODEL.endswith("tiny_sort")

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from helpers import CONFIGS, run_cli
 
-from lightning_rl.cli.config_errors import parse_message, summarize
+from lightning_rl.cli.config_errors import summarize
 from lightning_rl.cli.config_lookup import locate, yaml_line
+from lightning_rl.cli.error_report import parse_message
 from lightning_rl.cli.main import main
 
 GRPO = str(CONFIGS / "grpo.yaml")

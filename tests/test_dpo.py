@@ -16,7 +16,7 @@ from lightning_rl.algorithms import DPO
 from lightning_rl.algorithms.options import PolicyOptions
 from lightning_rl.cli.main import main
 from lightning_rl.data.preference import BUILTIN_TRAIN, BUILTIN_VAL
-from lightning_rl.models.loading import EMBEDDED_MODEL
+from lightning_rl.models.builtin import EMBEDDED_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "dpo.yaml")

@@ -15,11 +15,13 @@ from helpers import make, make_trainer
 
 from lightning_rl.algorithms import GRPO
 from lightning_rl.callbacks.base import RLCallback
-from lightning_rl.episodes.environments import Environment, EpisodeError, EpisodeRunner, StepResult
-from lightning_rl.episodes.tools import HermesFormat, PlainFormat, Tool
+from lightning_rl.episodes.environments import Environment, EpisodeError, StepResult
+from lightning_rl.episodes.runner import EpisodeRunner
+from lightning_rl.episodes.tool_formats import HermesFormat, PlainFormat
+from lightning_rl.episodes.tools import Tool
 from lightning_rl.maths.aggregation import aggregate
+from lightning_rl.models.builtin import build_char_tokenizer
 from lightning_rl.models.generation import SamplingParams, make_generation
-from lightning_rl.models.loading import build_char_tokenizer
 from lightning_rl.step.rollout import Rollout
 
 TOK = build_char_tokenizer()

@@ -1,6 +1,7 @@
-"""Tests for the estimators added to lightning_rl.maths.advantages (RLOO, REINFORCE++-baseline, rollout-engine
-importance weights and mismatch stats): hand-worked values (arithmetic in the comments), the global-moments
-form, garbage on invalid tokens, detachment and every validation error."""
+"""Tests for the estimators added to lightning_rl.maths.advantages (RLOO, REINFORCE++-baseline) and the
+rollout-engine importance weights and mismatch stats of lightning_rl.maths.rollout_weights: hand-worked
+values (arithmetic in the comments), the global-moments form, garbage on invalid tokens, detachment and
+every validation error."""
 
 import math
 

@@ -23,9 +23,10 @@ from helpers import CONFIGS
 
 from lightning_rl.cli.main import main
 from lightning_rl.data.rows import check_rows
-from lightning_rl.models.loading import build_char_tokenizer, tiny_llama_config
+from lightning_rl.models.builtin import build_char_tokenizer, tiny_llama_config
 from lightning_rl.models.policy import Policy
-from lightning_rl.step.rewards import RewardPipeline, RewardScorer
+from lightning_rl.step.reward_pipeline import RewardPipeline
+from lightning_rl.step.reward_scorer import RewardScorer
 
 HERE = Path(__file__).stem
 ROWS = [{"prompt": f"{i}{i + 1}=", "answer": f"{i}{i + 1}"} for i in range(1, 9)]

@@ -19,7 +19,8 @@ import pytest
 from lightning_rl.algorithms import SFT
 from lightning_rl.algorithms.options import PolicyOptions
 from lightning_rl.data import PreferenceDataModule, PromptDataModule
-from lightning_rl.models.loading import build_char_tokenizer, load_policy, tiny_llama_config
+from lightning_rl.models.builtin import build_char_tokenizer, tiny_llama_config
+from lightning_rl.models.loading import load_policy
 from lightning_rl.models.policy import Policy
 
 PAIRS = [{"prompt": f"{i}{i + 1}=", "chosen": f"{i}{i + 1}", "rejected": f"{i + 1}{i}"} for i in range(1, 9)]

@@ -22,8 +22,8 @@ from lightning_rl.cli.main import ConfigError
 from lightning_rl.data import PromptDataModule
 from lightning_rl.data.preference import PreferenceDataModule
 from lightning_rl.models.adapters import PEFT_EXTRA, base_state_dict
-from lightning_rl.models.loading import EMBEDDED_MODEL
-from lightning_rl.models.scoring import eval_mode
+from lightning_rl.models.builtin import EMBEDDED_MODEL
+from lightning_rl.models.model_utils import eval_mode
 
 peft = pytest.importorskip("peft")
 

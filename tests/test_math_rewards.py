@@ -12,7 +12,7 @@ import pytest
 
 from lightning_rl.step import math_rewards
 from lightning_rl.step.math_rewards import extract_answer, format_reward, math_verify_reward
-from lightning_rl.step.rewards import RewardError, RewardScorer
+from lightning_rl.step.reward_scorer import RewardError, RewardScorer
 
 
 # ------------------------------------------------------------------------------------------- extraction

@@ -1,5 +1,5 @@
 """The one hub-or-local loader (``models.load_pretrained``) behind the policy, critic and reward model,
-and the model helpers of ``scoring`` (gradient checkpointing, ``logits_to_keep``)."""
+and the model helpers of ``model_utils`` (gradient checkpointing, ``logits_to_keep``)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from lightning_rl.models.builtin import EMBEDDED_MODEL, build_char_tokenizer, tiny_llama_config
 from lightning_rl.models.critic import load_critic
-from lightning_rl.models.loading import (
-    EMBEDDED_MODEL,
-    build_char_tokenizer,
-    load_policy,
-    load_pretrained,
-    tiny_llama_config,
-    torch_dtype,
+from lightning_rl.models.loading import load_policy, load_pretrained, torch_dtype
+from lightning_rl.models.model_utils import (
+    enable_gradient_checkpointing,
+    is_gradient_checkpointing,
+    keep_logits,
 )
-from lightning_rl.models.reward_model import load_reward_network
-from lightning_rl.models.scoring import enable_gradient_checkpointing, is_gradient_checkpointing, keep_logits
+from lightning_rl.models.reward_network import load_reward_network
 
 
 @pytest.fixture()

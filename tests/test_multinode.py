@@ -21,7 +21,7 @@ from helpers import scalars
 from rank_jobs import free_port
 from safetensors.torch import load_file
 
-from lightning_rl.models.loading import EMBEDDED_MODEL
+from lightning_rl.models.builtin import EMBEDDED_MODEL
 
 pytestmark = pytest.mark.distributed
 

@@ -215,7 +215,7 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['conten
 def templated_model(tmp_path):
     """The embedded model with a chat template in its tokenizer folder, and a tokenizer that adds <bos> to
     every plain encoding (as Llama's does): a template that holds BOS itself must not get a second one."""
-    from lightning_rl.models.loading import EMBEDDED_MODEL
+    from lightning_rl.models.builtin import EMBEDDED_MODEL
 
     folder = tmp_path / "chat_model"
     shutil.copytree(EMBEDDED_MODEL, folder)

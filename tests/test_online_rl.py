@@ -21,11 +21,12 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_rl.algorithms import DAPO, GRPO, GSPO, SAPO, OnlineRL
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.data import PromptDataModule
-from lightning_rl.maths.advantages import dapo_group_keep, overlong_penalty
+from lightning_rl.maths.advantages import dapo_group_keep
 from lightning_rl.maths.aggregation import normalizer_counts
+from lightning_rl.maths.penalties import overlong_penalty
 from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.logprobs import LogProbPasses, resolve_behaviour, score_rollout
-from lightning_rl.step.rewards import RewardError
+from lightning_rl.step.reward_scorer import RewardError
 from lightning_rl.step.rollout import Rollout
 
 HERE = __name__  # reward functions below are named by import path, as in YAML
@@ -486,7 +487,7 @@ def test_long_prompt_is_found_past_the_first_thousand_rows(tmp_path):
 
 def bos_model(tmp_path) -> Path:
     """The embedded model whose tokenizer adds <bos> to every encoding (as Llama / Gemma tokenizers do)."""
-    from lightning_rl.models.loading import EMBEDDED_MODEL
+    from lightning_rl.models.builtin import EMBEDDED_MODEL
 
     folder = tmp_path / "bos_model"
     shutil.copytree(EMBEDDED_MODEL, folder)

@@ -16,13 +16,13 @@ from lightning_rl.algorithms import GRPO, PPO
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.data import PromptDataModule
 from lightning_rl.maths.advantages import (
-    adaptive_kl_coef,
     explained_variance,
     gae_advantages,
     masked_moments,
     token_rewards,
     whiten,
 )
+from lightning_rl.maths.penalties import adaptive_kl_coef
 from lightning_rl.step.estimators import GAE
 
 HERE = Path(__file__).parent
@@ -241,7 +241,7 @@ def test_killed_ppo_run_resumes_exactly_and_exports_policy_and_critic(tmp_path):
 @pytest.fixture(scope="module")
 def reward_folder(tmp_path_factory) -> Path:
     """A one-label sequence classifier on the embedded backbone (untrained head), saved like an export."""
-    from lightning_rl.models.reward_model import load_reward_network
+    from lightning_rl.models.reward_network import load_reward_network
 
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("rm") / "reward_model"

@@ -16,7 +16,7 @@ from lightning_rl.data.preference import (
     sort_pairs,
     split_implicit_prompt,
 )
-from lightning_rl.models.loading import build_char_tokenizer
+from lightning_rl.models.builtin import build_char_tokenizer
 
 ROWS = [
     {"prompt": "12=", "chosen": "12", "rejected": "21", "answer": "12"},

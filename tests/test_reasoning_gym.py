@@ -21,10 +21,10 @@ from lightning_rl.data.reasoning_gym import (
     reasoning_gym_correct,
     reasoning_gym_score,
 )
-from lightning_rl.episodes.environments import EpisodeRunner  # noqa: E402
-from lightning_rl.episodes.tools import PlainFormat  # noqa: E402
+from lightning_rl.episodes.runner import EpisodeRunner  # noqa: E402
+from lightning_rl.episodes.tool_formats import PlainFormat  # noqa: E402
+from lightning_rl.models.builtin import build_char_tokenizer  # noqa: E402
 from lightning_rl.models.generation import SamplingParams, make_generation  # noqa: E402
-from lightning_rl.models.loading import build_char_tokenizer  # noqa: E402
 from lightning_rl.text.pairs import pad_rows  # noqa: E402
 
 TASKS = ["basic_arithmetic", "leg_counting"]

@@ -17,9 +17,9 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_rl.algorithms import DAPO
 from lightning_rl.callbacks.base import RLCallback
-from lightning_rl.maths.advantages import overlong_penalty
+from lightning_rl.maths.penalties import overlong_penalty
 from lightning_rl.step.collectives import Collectives
-from lightning_rl.step.rewards import RewardError, RewardScorer
+from lightning_rl.step.reward_scorer import RewardError, RewardScorer
 
 HERE = __name__  # reward functions below are named by import path, as in YAML
 PROMPT = r"'\d+='"  # a sort prompt, as quoted in messages
@@ -91,13 +91,13 @@ def test_reward_failing_everywhere_in_zero_mode_stops_the_run(tmp_path):
 
 
 def test_reward_failing_on_one_of_eight_samples_trains_warns_and_counts(tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="lightning_rl.step.rewards")  # the rewards stage warns
+    caplog.set_level(logging.WARNING, logger="lightning_rl.step.reward_pipeline")  # the rewards stage warns
     module = make(rewards={"functions": [f"{HERE}:nan_at_three"], "on_error": "zero"})  # default limit 0.5
     before = params(module)
     trainer, logged = logged_fit(module, tmp_path, dm=datamodule(batch_size=2))  # 2 prompts x G = 4
     assert trainer.global_step == 2 and changed(before, module)
     assert logged["rollout/reward_errors"] == [1.0, 1.0]
-    lines = [r.getMessage() for r in caplog.records if r.name == "lightning_rl.step.rewards"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "lightning_rl.step.reward_pipeline"]
     assert len(lines) == 2, lines  # one line per step
     for line in lines:
         assert re.fullmatch(rf"reward function `{HERE}:nan_at_three` failed on 1 of 8 samples: "

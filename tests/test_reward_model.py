@@ -17,9 +17,9 @@ from lightning_rl.cli.main import ConfigError
 from lightning_rl.data import PreferenceDataModule
 from lightning_rl.data.preference import BUILTIN_VAL
 from lightning_rl.maths.preference_losses import reward_model_loss
-from lightning_rl.models.loading import EMBEDDED_MODEL, build_char_tokenizer, tiny_llama_config
-from lightning_rl.models.reward_model import (
-    RewardModelScorer,
+from lightning_rl.models.builtin import EMBEDDED_MODEL, build_char_tokenizer, tiny_llama_config
+from lightning_rl.models.reward_model import RewardModelScorer
+from lightning_rl.models.reward_network import (
     RewardNetwork,
     gather_last,
     last_token_index,

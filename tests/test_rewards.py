@@ -7,14 +7,9 @@ import math
 
 import pytest
 
-from lightning_rl.step.rewards import (
-    RewardError,
-    RewardScorer,
-    exact_match,
-    import_reward,
-    numeric_match,
-    overlong_reward,
-)
+from lightning_rl.step.reward_pipeline import overlong_reward
+from lightning_rl.step.reward_scorer import RewardError, RewardScorer
+from lightning_rl.step.rewards import exact_match, import_reward, numeric_match
 
 HERE = __name__  # reward functions below are imported by path, as YAML names them
 

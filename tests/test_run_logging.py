@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import CONFIGS, run_cli, scalars
 
-from lightning_rl.models.loading import EMBEDDED_MODEL
+from lightning_rl.models.builtin import EMBEDDED_MODEL
 
 
 def fit(tmp_path: Path, config: str, *extra: str) -> dict[str, list[tuple[int, float]]]:

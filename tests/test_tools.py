@@ -12,20 +12,10 @@ from typing import Literal, Optional
 
 import pytest
 
+from lightning_rl.episodes.tool_formats import HermesFormat, PlainFormat, detect_format, tool_format
 from lightning_rl.episodes.tool_schemas import tool_schema
-from lightning_rl.episodes.tools import (
-    HermesFormat,
-    PlainFormat,
-    Tool,
-    ToolCall,
-    ToolResult,
-    calculator,
-    detect_format,
-    execute,
-    load_tools,
-    tool_format,
-)
-from lightning_rl.models.loading import build_char_tokenizer
+from lightning_rl.episodes.tools import Tool, ToolCall, ToolResult, calculator, execute, load_tools
+from lightning_rl.models.builtin import build_char_tokenizer
 from lightning_rl.text.prompts import render_prompts
 
 # A Qwen-like template for the char tokenizer (EOS `<eos>`): assistant turns end with `<eos>\n`, tool

@@ -11,16 +11,39 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_rl.algorithms.options import EpisodeOptions, FilterOptions, ObjectiveOptions, RewardOptions
-from lightning_rl.episodes.environments import EpisodeRunner, episode_runner
-from lightning_rl.episodes.tools import HermesFormat
+from lightning_rl.algorithms.options import (
+    EpisodeOptions,
+    FilterOptions,
+    ObjectiveOptions,
+    RewardOptions,
+    UpdateOptions,
+)
+from lightning_rl.episodes.runner import EpisodeRunner, episode_runner
+from lightning_rl.episodes.tool_formats import HermesFormat
 from lightning_rl.maths.objective import Objective
 from lightning_rl.models.reward_model import RewardModelScorer
-from lightning_rl.step.estimators import KLInReward
+from lightning_rl.step.estimators import AdvantageEstimator, GroupNormalized, KLInReward
 from lightning_rl.step.filters import DynamicSampling, RolloutFilter
-from lightning_rl.step.rewards import FullScore, RewardPipeline, RewardScorer, import_reward, overlong_shaping
+from lightning_rl.step.reward_pipeline import RewardPipeline, overlong_shaping
+from lightning_rl.step.reward_scorer import RewardScorer
+from lightning_rl.step.rewards import FullScore, import_reward
+from lightning_rl.step.update import Updater
 
 DEFAULT_REWARD = "lightning_rl.step.rewards:exact_match"
+
+
+def advantage_stage(advantage: AdvantageEstimator | None, num_generations: int) -> AdvantageEstimator:
+    """The estimator (``None``: group z-score), refused when G is below its smallest group."""
+    estimator = advantage if advantage is not None else GroupNormalized()
+    if num_generations < estimator.min_group_size:
+        raise ValueError(f"`model.sampling.num_generations` must be >= {estimator.min_group_size} for "
+                         f"{type(estimator).__name__} advantages, got {num_generations}")
+    return estimator
+
+
+def update_stage(o: UpdateOptions) -> Updater:
+    """The updater: epochs over the rollout, minibatches, micro-batches, clipping."""
+    return Updater(o.epochs, o.num_minibatches, o.micro_batch_size, o.max_grad_norm)
 
 
 def objective_stages(o: ObjectiveOptions) -> tuple[Objective, KLInReward | None]:

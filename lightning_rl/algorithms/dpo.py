@@ -6,7 +6,8 @@ log-probs, and applies ``losses.dpo_loss`` against a frozen reference. With ``sh
 pair's prompt runs through the model once and both completions are scored on its keys and values (the
 online step's prefix sharing for groups, ``TokenScorer.share_prompts``): the same log-probs and gradient.
 
-The reference is ``Policy.reference()``: a frozen copy of the starting model, or the same weights with
+The reference (the mixin :class:`~lightning_rl.algorithms.dpo_reference.ReferenceScoring`) is
+``Policy.reference()``: a frozen copy of the starting model, or the same weights with
 the LoRA adapters disabled when the policy is a PEFT model. The copy is a registered submodule, so
 ``.to()`` / precision casts move it with the policy, but a state-dict hook keeps its weights out of
 ``state_dict()`` and hence out of checkpoints: it is built from ``model`` in ``setup`` for ``fit`` and
@@ -17,44 +18,22 @@ reference scores every train and held-out pair once before training, and a copie
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_rl.algorithms.base import PolicyModule
+from lightning_rl.algorithms.dpo_reference import ReferenceScoring
 from lightning_rl.maths.aggregation import aggregate
 from lightning_rl.maths.preference_losses import DPO_LOSS_TYPES, DPOLossType, dpo_loss
-from lightning_rl.models.sharding import prompt_sharing
 from lightning_rl.text.pairs import EncodedPairs, encode_pairs
 from lightning_rl.text.prompts import batch_columns, real_rows
 
-REFERENCE = "reference"
 
-
-def pair_key(prompt: Any, chosen: Any, rejected: Any) -> str:
-    """The reference-cache key of one pair (its content, so any batching finds it)."""
-    return json.dumps([prompt, chosen, rejected], sort_keys=True, ensure_ascii=False)
-
-
-def _drop_reference(
-    module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
-) -> None:
-    # state-dict post hook: the reference is rebuilt from `model`, never saved or loaded
-    for key in [k for k in state_dict if k.startswith(f"{prefix}{REFERENCE}.")]:
-        del state_dict[key]
-
-
-def _allow_missing_reference(module: torch.nn.Module, incompatible_keys: Any) -> None:
-    missing = incompatible_keys.missing_keys
-    missing[:] = [k for k in missing if not k.startswith(f"{REFERENCE}.") and f".{REFERENCE}." not in k]
-
-
-class DPO(PolicyModule):
+class DPO(ReferenceScoring, PolicyModule):
     """DPO on a ``PreferenceDataModule`` (rows ``prompt``, ``chosen``, ``rejected``, optionally ``answer``).
 
     Logs ``train/loss``, ``rewards/{chosen,rejected,accuracy,margin}``, ``logps/{chosen,rejected}``
@@ -103,21 +82,12 @@ class DPO(PolicyModule):
         self.precompute_ref_logps, self.share_prompt_prefix = precompute_ref_logps, share_prompt_prefix
         if disable_dropout:
             self.policy.disable_dropout()
-        self.register_state_dict_post_hook(_drop_reference)
-        self.register_load_state_dict_post_hook(_allow_missing_reference)
+        self.keep_reference_out_of_checkpoints()
         self.ref_cache: dict[str, tuple[float, float]] | None = None
         self.step_perf: dict[str, float] = {}  # this training step's timings, logged at its end
         self.configure_prefix_sharing()
 
-    # ---- setup -------------------------------------------------------------------------------
-    @property
-    def reference(self) -> Any:
-        """The frozen reference, built on first use (``None`` once a precomputed cache freed it)."""
-        if REFERENCE not in self._modules:
-            self.reference = self.policy.reference()  # a registered submodule: moved with the policy
-            self.configure_prefix_sharing()
-        return self._modules[REFERENCE]
-
+    # ---- setup (the reference and its cache: ReferenceScoring) ---------------------------------
     def setup(self, stage: str) -> None:
         """``fit`` / ``validate``: build the reference now, before Lightning loads a checkpoint's trained
         weights into the policy (``predict`` only generates: it builds no copy)."""
@@ -128,14 +98,6 @@ class DPO(PolicyModule):
     def check_prompt_lengths(self) -> None:
         """No-op: DPO cuts long prompts on the left (and counts them) instead of refusing them."""
 
-    def configure_prefix_sharing(self) -> None:
-        """Decide ``share_prompts`` for policy and reference together (as ``OnlineRL`` does): one scoring
-        path for both, so that their log-probs agree exactly while the policy equals the reference."""
-        share = prompt_sharing(self.share_prompt_prefix, self.policy.model)
-        self.policy.share_prompts = share
-        if self._modules.get(REFERENCE) is not None:  # not built yet: the property calls this again
-            self._modules[REFERENCE].share_prompts = share
-
     def on_fit_start(self) -> None:
         super().on_fit_start()
         self.configure_prefix_sharing()  # after configure_model: sharded now where it will be
@@ -145,61 +107,6 @@ class DPO(PolicyModule):
         self.configure_prefix_sharing()
         self._maybe_precompute()
         self.engine.sync_weights(self.policy)  # a CopyEngine samples greedy answers with the current weights
-
-    def _maybe_precompute(self) -> None:
-        if not self.precompute_ref_logps or self.ref_cache is not None:
-            return
-        dm = getattr(self.trainer, "datamodule", None)
-        if dm is None or not hasattr(dm, "train_rows"):
-            raise ValueError(
-                "`model.precompute_ref_logps` needs a DataModule with `train_rows` "
-                "(e.g. PreferenceDataModule)"
-            )
-        start = time.perf_counter()
-        # in the precision the steps score the policy in (bf16-mixed autocasts them): a cache scored in
-        # another precision makes every margin at step 0 float noise instead of 0
-        with self.trainer.precision_plugin.forward_context():
-            table = self.reference_logps_table(list(dm.train_rows), getattr(dm, "batch_size", 8))
-            if getattr(dm, "val_rows", None):
-                table.update(self.held_out_table(dm.val_dataloader()))
-            self.ref_cache = table
-        rank_zero_info(
-            f"reference log-probs of {len(self.ref_cache)} pairs precomputed in "
-            f"{time.perf_counter() - start:.1f}s"
-        )
-        if self.reference is not None and not self.reference.shares_weights:
-            self.reference = None  # every pair is cached: free the copy
-
-    @torch.no_grad()
-    def reference_logps_table(
-        self, rows: list[dict[str, Any]], batch_size: int
-    ) -> dict[str, tuple[float, float]]:
-        """``{pair_key: (ref chosen logp, ref rejected logp)}`` for ``rows``, scored ``batch_size``
-        pairs at a time.
-        """
-        unique = {pair_key(r["prompt"], r["chosen"], r["rejected"]): r for r in rows}
-        keys, table = list(unique), {}
-        for start in range(0, len(keys), batch_size):
-            part = [unique[k] for k in keys[start : start + batch_size]]
-            batch = {name: [r[name] for r in part] for name in ("prompt", "chosen", "rejected")}
-            seq = self._reference_forward(self.encode(batch)).tolist()
-            n = len(part)
-            table.update({k: (seq[i], seq[n + i]) for i, k in enumerate(keys[start : start + n])})
-        return table
-
-    @torch.no_grad()
-    def held_out_table(self, batches: Iterable[dict[str, list]]) -> dict[str, tuple[float, float]]:
-        """:meth:`reference_logps_table` of the held-out pairs, scored in the very batches validation scores
-        the policy in (same padding, same shared prompts): their margins at step 0 are then exactly 0,
-        whatever the kernels do with other batch shapes."""
-        table = {}
-        for batch in batches:
-            batch, _ = real_rows(batch)
-            seq = self._reference_forward(self.encode(batch)).tolist()
-            n = len(batch["prompt"])
-            pairs = zip(batch["prompt"], batch["chosen"], batch["rejected"], strict=True)
-            table.update({pair_key(*pair): (seq[i], seq[n + i]) for i, pair in enumerate(pairs)})
-        return table
 
     # ---- scoring -----------------------------------------------------------------------------
     def encode(self, batch: dict[str, list]) -> EncodedPairs:
@@ -214,26 +121,6 @@ class DPO(PolicyModule):
             chat_template=self.chat_template,
         )
         return enc.to(self.device)
-
-    def _reference_forward(self, enc: EncodedPairs) -> torch.Tensor:
-        logp, _ = self.reference.token_logprobs(
-            enc.prompt_ids, enc.prompt_mask, enc.completion_ids, enc.completion_mask
-        )
-        return logp.sum(-1)
-
-    def reference_logps(self, batch: dict[str, list], enc: EncodedPairs) -> torch.Tensor:
-        """``[2B]`` summed reference log-probs (chosen then rejected), from the cache when precomputed."""
-        if self.ref_cache is None:
-            return self._reference_forward(enc)
-        keys = [pair_key(*p) for p in zip(batch["prompt"], batch["chosen"], batch["rejected"], strict=True)]
-        missing = [i for i, k in enumerate(keys) if k not in self.ref_cache]
-        if missing:
-            raise KeyError(
-                f"batch rows {missing} are not in the precomputed reference cache "
-                "(`model.precompute_ref_logps`)"
-            )
-        values = [self.ref_cache[k][0] for k in keys] + [self.ref_cache[k][1] for k in keys]
-        return torch.tensor(values, dtype=torch.float32, device=self.device)
 
     def pair_loss(
         self, batch: dict[str, list], enc: EncodedPairs

@@ -79,17 +79,12 @@ class EvaluationSteps:
         return [float(s) for s in self.accuracy_fn(prompts=prompts, completions=completions, **columns)]
 
     # ---- predict: completions of held-out prompts, scored (``lightning-rl predict``) -------------------
-    def predict_step(self, batch: dict[str, list], batch_idx: int) -> list[dict[str, Any]]:
-        """Generate for the batch's prompts as the ``WritePredictions`` callback asks (greedy, or
-        ``num_generations`` samples each at its temperature), score each sample with ``sample_rewards`` and
-        ``correct``, and return one row per sample of a real prompt (placeholder rows, which only give every
-        rank as many batches, are generated for, then left out). See ``WritePredictions`` for the fields.
-        """
+    def predict_sampling(self) -> tuple[int, Any]:
+        """``(samples per prompt, sampling parameters)`` for predict, as the ``WritePredictions`` callback
+        asks (a default one where the trainer has none): greedy, or ``num_generations`` samples each at its
+        ``temperature`` (else the trained sampling's), with the trained ``top_p`` and ``top_k``."""
         from lightning_rl.callbacks.predictions import WritePredictions
-        from lightning_rl.text.keys import ROW_INDEX_KEY
 
-        if not hasattr(self, "engine"):
-            raise ValueError(f"`predict` generates completions: {type(self).__name__} has no policy to run")
         writer = next((cb for cb in self.trainer.callbacks if isinstance(cb, WritePredictions)), None)
         writer = writer or WritePredictions()
         n, temperature = writer.num_generations, writer.temperature
@@ -97,8 +92,20 @@ class EvaluationSteps:
         temperature = temperature if temperature is not None else getattr(
             getattr(self, "sampling", None), "temperature", 1.0)
         trained = getattr(self, "sampling", None) or self.sampling_params()
-        done = self.complete(batch, num_samples=n, sampling=self.sampling_params(
-            temperature, trained.top_p, trained.top_k, do_sample=sample))
+        return n, self.sampling_params(temperature, trained.top_p, trained.top_k, do_sample=sample)
+
+    def predict_step(self, batch: dict[str, list], batch_idx: int) -> list[dict[str, Any]]:
+        """Generate for the batch's prompts as the ``WritePredictions`` callback asks (greedy, or
+        ``num_generations`` samples each at its temperature), score each sample with ``sample_rewards`` and
+        ``correct``, and return one row per sample of a real prompt (placeholder rows, which only give every
+        rank as many batches, are generated for, then left out). See ``WritePredictions`` for the fields.
+        """
+        from lightning_rl.text.keys import ROW_INDEX_KEY
+
+        if not hasattr(self, "engine"):
+            raise ValueError(f"`predict` generates completions: {type(self).__name__} has no policy to run")
+        n, sampling = self.predict_sampling()
+        done = self.complete(batch, num_samples=n, sampling=sampling)
         completions, lengths = done.texts, done.lengths
         data = {k: v for k, v in batch_columns(batch).items() if k != ROW_INDEX_KEY}
         prompts = [p for p in batch["prompt"] for _ in range(n)]

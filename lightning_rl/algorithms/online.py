@@ -19,7 +19,14 @@ from typing import Any, ClassVar
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from lightning_rl.algorithms.assembly import episode_stage, filter_stages, objective_stages, reward_stages
+from lightning_rl.algorithms.assembly import (
+    advantage_stage,
+    episode_stage,
+    filter_stages,
+    objective_stages,
+    reward_stages,
+    update_stage,
+)
 from lightning_rl.algorithms.base import PolicyModule
 from lightning_rl.algorithms.evaluation import Completions
 from lightning_rl.algorithms.options import (
@@ -33,17 +40,18 @@ from lightning_rl.algorithms.options import (
     UpdateOptions,
     ValidationOptions,
 )
-from lightning_rl.algorithms.presets import ONLINE_MOVED_KEYS, with_changes
+from lightning_rl.algorithms.presets import ONLINE_MOVED_KEYS
 from lightning_rl.algorithms.stepping import ManualSteps
 from lightning_rl.episodes.sampler import PolicyIO, Sampler
 from lightning_rl.models.generation import SamplingParams
 from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.correction import RolloutCorrection
 from lightning_rl.step.engine import RolloutEngine
-from lightning_rl.step.estimators import AdvantageEstimator, GroupNormalized
+from lightning_rl.step.estimators import AdvantageEstimator
+from lightning_rl.step.learner import prepare
 from lightning_rl.step.logprobs import LogProbPasses, resolve_behaviour
-from lightning_rl.step.rollout import Rollout, exclude_nonfinite, merge_stats
-from lightning_rl.step.update import TrainedModel, Updater, policy_loss
+from lightning_rl.step.rollout import Rollout, merge_stats
+from lightning_rl.step.update import TrainedModel, policy_loss
 from lightning_rl.text.prompts import render_prompts
 
 
@@ -82,16 +90,11 @@ class OnlineRL(ManualSteps, PolicyModule):
         validation = ValidationOptions(sampling.max_new_tokens, rewards.accuracy_fn)
         super().__init__(policy, validation, engine, optimizer, lr_scheduler)
         self.automatic_optimization = False
-        self.advantage = advantage if advantage is not None else GroupNormalized()
-        G, least = sampling.num_generations, self.advantage.min_group_size
-        if G < least:
-            raise ValueError(f"`model.sampling.num_generations` must be >= {least} for "
-                             f"{type(self.advantage).__name__} advantages, got {G}")
+        self.advantage = advantage_stage(advantage, sampling.num_generations)
         self.num_generations = sampling.num_generations
         self.sampling = self.sampling_params(sampling.temperature, sampling.top_p, sampling.top_k)
         self.objective, self.kl_reward = objective_stages(objective)
-        self.updater = Updater(update.epochs, update.num_minibatches, update.micro_batch_size,
-                               update.max_grad_norm)
+        self.updater = update_stage(update)
         self.episodes, self.prompt_tools = episode_stage(
             episodes, tokenizer=self.tokenizer, chat=self.chat_template, max_new_tokens=self.max_new_tokens,
             max_prompt_length=self.max_prompt_length, context=self.policy.context_length)
@@ -115,12 +118,6 @@ class OnlineRL(ManualSteps, PolicyModule):
         self.needs_reference = self.objective.needs_reference or self.kl_reward is not None
         self.__dict__["_reference"] = None
         self._generation_round = 0
-
-    @classmethod
-    def configured(cls, **changes: Any) -> OnlineRL:
-        """This preset with some fields of its groups changed, as a YAML would: ``DAPO.configured(sampling=
-        {"num_generations": 4})`` keeps DAPO's other defaults (a group given whole replaces the default)."""
-        return cls(**with_changes(cls, changes))
 
     def setup(self, stage: str) -> None:
         """``fit``: build the reference now, before Lightning loads a resumed checkpoint's trained weights."""
@@ -151,11 +148,9 @@ class OnlineRL(ManualSteps, PolicyModule):
         behaviour = resolve_behaviour(self.behaviour_logp if self.kl_reward is None else "recompute",
                                       self.updater.updates_per_rollout, self.engine)
         passes = LogProbPasses(behaviour, self.sampling.temperature, self.updater.micro_batch_size)
-        rollout, extra = passes(rollout, self.policy, self.reference_policy(), collectives)
-        rollout, excluded = exclude_nonfinite(rollout)
-        rollout, weights = self.correction(rollout)
-        extra.update(weights)
-        rollout, more = self.estimate(rollout, collectives)
+        rollout, extra = prepare(rollout, passes=passes, policy=self.policy,
+                                 reference=self.reference_policy(), correction=self.correction,
+                                 stages=[*self.before_advantages(), self.advantage], collectives=collectives)
         self.observe(rollout)
         update_start = time.perf_counter()
         step = self.trainer.fit_loop.total_batch_idx
@@ -165,8 +160,7 @@ class OnlineRL(ManualSteps, PolicyModule):
             self.step_metrics.add(self.device, metrics, share)
         step_time = time.perf_counter() - start
         stats = merge_stats(merge_stats(stats, extra), {
-            **more, "rollout/excluded_tokens": excluded, "perf/step_time": step_time,
-            "perf/weight_sync_time": sync_time,
+            "perf/step_time": step_time, "perf/weight_sync_time": sync_time,
             "perf/update_time": time.perf_counter() - update_start,
             "perf/tokens_per_sec": stats["perf/generated_tokens"] / step_time})
         self.reward_pipeline.warn_if_slow(stats.get("perf/reward_time", 0.0), step_time)  # once per run
@@ -206,16 +200,6 @@ class OnlineRL(ManualSteps, PolicyModule):
         for name in [k for k in stats if k.endswith("_mean") or k == "rollout/env_time"]:
             stats.pop(name)  # means: the first round's stand for the step
         return rollout, stats
-
-    def estimate(self, rollout: Rollout, collectives: Collectives) -> tuple[Rollout, dict[str, float]]:
-        """The stages before the advantages (PPO's values; the KL-in-reward penalty), then the
-        advantages: once, after filtering."""
-        stats: dict[str, float] = {}
-        for stage in self.before_advantages():
-            rollout, extra = stage(rollout, collectives)
-            stats.update(extra)
-        rollout, extra = self.advantage(rollout, collectives)
-        return rollout, {**stats, **extra}
 
     def before_advantages(self) -> list[Any]:
         """Stages ``(rollout, collectives) -> (rollout, stats)`` run before the advantage estimator."""

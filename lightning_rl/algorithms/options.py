@@ -9,7 +9,8 @@ on its default (``lightning_rl.algorithms.presets.preset_defaults(DAPO)["objecti
 ``DAPO.configured(objective={...})``.
 
 ``PolicyOptions`` and ``ValidationOptions`` are every algorithm's (SFT, DPO, the online family);
-the rest are the online RL step's (:class:`~lightning_rl.algorithms.online.OnlineRL`).
+the rest are the online RL step's (:class:`~lightning_rl.algorithms.online.OnlineRL`); PPO's critic group
+is ``lightning_rl.models.critic.CriticOptions``.
 """
 
 from __future__ import annotations
@@ -17,12 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch
-from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-
 from lightning_rl.episodes.environments import Environment
-from lightning_rl.maths.advantages import KLEstimator
 from lightning_rl.maths.aggregation import Aggregation
+from lightning_rl.maths.penalties import KLEstimator
 from lightning_rl.maths.ratio_levels import RatioLevel
 from lightning_rl.maths.trust_regions import TrustRegion
 from lightning_rl.step.correction import RolloutCorrection
@@ -311,30 +309,3 @@ class UpdateOptions:
                 num_minibatches=(self.num_minibatches >= 1, self.num_minibatches),
                 micro_batch_size=(mbs is None or mbs >= 1, mbs),
                 max_grad_norm=(norm is None or norm > 0, norm))
-
-
-@dataclass(frozen=True)
-class CriticOptions:
-    """PPO's value model, trained beside the policy with its own optimiser.
-
-    Args:
-        model: where it starts: ``None`` copies the policy's weights (fresh scalar head); else a folder or
-            hub id that ``AutoModelForTokenClassification`` loads with one label (a causal LM, a reward model
-            from ``configs/reward_model.yaml``, a saved critic) with the policy's vocabulary.
-        optimizer: its optimiser factory (``class_path`` + ``init_args``).
-        lr_scheduler: its LR scheduler factory, stepped with its optimiser.
-        vf_coef: weight of the value loss.
-        value_clip: clip range around the rollout-time values (``None``: off).
-        warmup: rollouts at the start during which only the critic learns.
-    """
-
-    model: str | None = None
-    optimizer: OptimizerCallable = torch.optim.AdamW
-    lr_scheduler: LRSchedulerCallable | None = None
-    vf_coef: float = 0.5
-    value_clip: float | None = 0.2
-    warmup: int = 0
-
-    def __post_init__(self) -> None:
-        require("critic", vf_coef=(self.vf_coef > 0, self.vf_coef), warmup=(self.warmup >= 0, self.warmup),
-                value_clip=(self.value_clip is None or self.value_clip > 0, self.value_clip))

@@ -10,27 +10,21 @@ update; during ``critic.warmup`` only the critic learns.
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar
 
 import torch
 
 from lightning_rl.algorithms.online import OnlineRL
-from lightning_rl.algorithms.options import (
-    CriticOptions,
-    ObjectiveOptions,
-    SamplingOptions,
-)
+from lightning_rl.algorithms.options import ObjectiveOptions, SamplingOptions
 from lightning_rl.algorithms.presets import PPO_MOVED_KEYS
 from lightning_rl.algorithms.stepping import Companion
-from lightning_rl.maths.losses import value_loss
-from lightning_rl.models.critic import load_critic
-from lightning_rl.models.scoring import enable_gradient_checkpointing
+from lightning_rl.models.critic import CriticOptions, load_critic
+from lightning_rl.models.model_utils import enable_gradient_checkpointing
 from lightning_rl.models.sharding import zero_loss
 from lightning_rl.step.estimators import GAE, AdvantageEstimator
 from lightning_rl.step.logprobs import CriticValues
 from lightning_rl.step.rollout import Rollout
-from lightning_rl.step.update import TrainedModel
+from lightning_rl.step.update import TrainedModel, critic_loss
 
 PPO_OBJECTIVE = ObjectiveOptions(aggregation="token-mean", kl_coef=0.05, kl_estimator="k1", kl_in_reward=True)
 
@@ -39,8 +33,7 @@ class PPO(OnlineRL):
     """PPO with a critic (value model) and GAE; any reward functions and / or a reward model.
 
     Args:
-        critic: the value model, its optimiser and its loss (:class:`~lightning_rl.algorithms.options.
-            CriticOptions`).
+        critic: the value model, its optimiser and its loss (``CriticOptions``).
         sampling: one completion per prompt by default (the critic is the baseline).
         objective: PPO-Clip with ``token-mean`` (as verl) and the KL to the reference as a per-token ``k1``
             penalty in the reward (``kl_in_reward: false`` puts it in the loss).
@@ -93,12 +86,5 @@ class PPO(OnlineRL):
         return zero_loss(self.policy, self.trainer), {}
 
     def critic_loss(self, micro: Rollout, num_tokens: torch.Tensor, num_seqs: torch.Tensor) -> tuple:
-        """``vf_coef`` x the clipped value loss, normalised by the minibatch's global token count."""
-        values = self.critic.values(micro.prompt_ids, micro.prompt_mask, micro.completion_ids,
-                                    micro.attention_mask)
-        clip = self.critic_options.value_clip if self.critic_options.value_clip is not None else math.inf
-        vf_loss, value_metrics = value_loss(values, micro.values, micro.returns, micro.loss_mask, clip,
-                                            num_tokens=num_tokens)
-        metrics = {"critic/vf_loss": vf_loss, "critic/vf_clip_frac": value_metrics["value/clip_frac"],
-                   "critic/value_pred_mean": value_metrics["value/mean"]}
-        return self.critic_options.vf_coef * vf_loss, metrics
+        options = self.critic_options
+        return critic_loss(self.critic, micro, options.vf_coef, options.value_clip, num_tokens)

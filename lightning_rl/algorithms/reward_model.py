@@ -1,9 +1,9 @@
 """Reward-model training: a one-label sequence classifier fitted to preference pairs (Bradley-Terry).
 
 Each step scores the chosen and the rejected texts of a batch of pairs in one forward pass (the two
-halves concatenated on the batch dimension; see :mod:`lightning_rl.models.reward_model` for what is scored and
-which token is read) and minimises :func:`~lightning_rl.maths.losses.reward_model_loss`. At the end of ``fit``
-the model and its tokenizer are written to ``<log_dir>/reward_model``, a folder that plain
+halves concatenated on the batch dimension; see :mod:`lightning_rl.models.reward_network` for what is scored
+and which token is read) and minimises :func:`~lightning_rl.maths.preference_losses.reward_model_loss`. At the
+end of ``fit`` the model and its tokenizer are written to ``<log_dir>/reward_model``, a folder that plain
 ``AutoModelForSequenceClassification`` and :class:`~lightning_rl.models.reward_model.RewardModelScorer` load.
 """
 
@@ -18,9 +18,9 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from lightning_rl.algorithms.trained import TrainedModule, has_callback
 from lightning_rl.maths.preference_losses import reward_model_loss
-from lightning_rl.models.reward_model import load_reward_network, pair_texts
-from lightning_rl.models.scoring import disable_dropout as zero_dropout
-from lightning_rl.models.scoring import enable_gradient_checkpointing
+from lightning_rl.models.model_utils import disable_dropout as zero_dropout
+from lightning_rl.models.model_utils import enable_gradient_checkpointing
+from lightning_rl.models.reward_network import load_reward_network, pair_texts
 from lightning_rl.text.prompts import real_rows
 
 
@@ -57,7 +57,7 @@ class RewardModel(TrainedModule):
     Its base is :class:`~lightning_rl.algorithms.trained.TrainedModule` (optimiser and scheduler, exact
     validation means, RNG states in checkpoints, callbacks, FSDP2 ``configure_model``), not ``PolicyModule``,
     which loads a causal LM and generates: ``self.policy`` here is the
-    :class:`~lightning_rl.models.reward_model.RewardNetwork` being trained. Tested on one process; the
+    :class:`~lightning_rl.models.reward_network.RewardNetwork` being trained. Tested on one process; the
     multi-process (DDP / FSDP2) paths are TrainedModule's, not yet run for this module.
 
     Args:

@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_rl.algorithms.input_checks import warn_if_lr_is_zero
+from lightning_rl.algorithms.presets import with_changes
 from lightning_rl.models.adapters import trainable_parameters
 from lightning_rl.models.sharding import refuse_fsdp1, shard_policy_model, strategy_is
 from lightning_rl.step.rng import collect_rng_states, restore_rng_states
@@ -33,6 +34,13 @@ class TrainedModule(L.LightningModule):
     fsdp_param_dtype: str | None = None
     fsdp_reduce_dtype: str | None = None
     export_merged: bool = False
+
+    @classmethod
+    def configured(cls, **changes: Any) -> Any:
+        """This class with some fields of its option groups changed, as a YAML would:
+        ``DAPO.configured(sampling={"num_generations": 4})`` keeps DAPO's other defaults (a group given whole
+        replaces the default; anything else is passed as is)."""
+        return cls(**with_changes(cls, changes))
 
     # ---- setup -------------------------------------------------------------------------------
     def configure_model(self) -> None:

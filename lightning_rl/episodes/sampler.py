@@ -17,10 +17,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_rl.episodes.environments import EpisodeBatch, EpisodeRunner
+from lightning_rl.episodes.environments import EpisodeBatch
+from lightning_rl.episodes.runner import EpisodeRunner
 from lightning_rl.models.generation import Generation, SamplingParams
 from lightning_rl.step.collectives import Collectives
-from lightning_rl.step.rewards import RewardPipeline
+from lightning_rl.step.reward_pipeline import RewardPipeline
 from lightning_rl.step.rollout import Rollout
 from lightning_rl.text.prompts import batch_columns
 

@@ -1,55 +1,22 @@
-"""Advantages, KL estimators and reward shaping for RL post-training (pure PyTorch).
+"""Advantages and their statistics for RL post-training (pure PyTorch).
 
-Everything here turns rewards and log-probs into the per-sample or per-token numbers the policy
-losses of :mod:`lightning_rl.maths.losses` consume (advantages, KL estimators, reward shaping, and
-importance weights correcting for the rollout engine's log-probs differing from the trainer's). The
-contract functions are also importable from :mod:`lightning_rl.losses`.
+Everything here turns rewards (and a critic's values) into the per-sample or per-token advantages the policy
+losses of :mod:`lightning_rl.maths.losses` consume: group-relative (GRPO, RLOO, REINFORCE++-baseline), GAE
+with PPO's per-token rewards and whitening, and DAPO's group filter. The KL estimators and reward penalties
+live in :mod:`lightning_rl.maths.penalties`, the rollout-engine importance weights in
+:mod:`lightning_rl.maths.rollout_weights`. The contract functions are also importable from
+:mod:`lightning_rl.losses`.
 
 Shapes: ``[N]`` per sample (consecutive groups of ``group_size`` share a prompt), ``[B, T]`` per token.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from typing import Literal, get_args
-
 import torch
 
-from lightning_rl.maths.checks import check_choice, check_shapes
+from lightning_rl.maths.checks import check_shapes
 
 Tensor = torch.Tensor
-KLEstimator = Literal["k1", "k2", "k3"]
-KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
-RolloutISLevel = Literal["token", "sequence"]
-ROLLOUT_IS_LEVELS: tuple[str, ...] = get_args(RolloutISLevel)
-RolloutISMode = Literal["truncate", "mask"]
-ROLLOUT_IS_MODES: tuple[str, ...] = get_args(RolloutISMode)
-ROLLOUT_LOG_WEIGHT_MAX = 20.0  # exp(20) ~ 4.9e8: far above any sensible cap, far below float32's max
-
-# delta = ref_logp - logp, on tokens sampled from the policy whose log-prob is `logp`
-_KL_FROM_DELTA: dict[str, Callable[[Tensor], Tensor]] = {
-    "k1": lambda delta: -delta,
-    "k2": lambda delta: 0.5 * delta**2,
-    "k3": lambda delta: torch.exp(delta) - delta - 1.0,
-}
-
-
-def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi (Schulman's k1/k2/k3).
-
-    With ``d = ref_logp - logp``: ``k1 = -d``, ``k2 = d^2 / 2``, ``k3 = exp(d) - d - 1`` (unbiased, >= 0).
-    The same k3 with ``d = -log r`` is the ``approx_kl`` of an importance ratio ``r``.
-
-    Args:
-        logp, ref_logp: ``[B, T]`` log-probs under pi / pi_ref. estimator: one of :data:`KL_ESTIMATORS`.
-
-    Returns:
-        ``[B, T]`` per-token estimates.
-    """
-    check_shapes("logp", logp, ref_logp=ref_logp)
-    check_choice("estimator", estimator, KL_ESTIMATORS)
-    return _KL_FROM_DELTA[estimator](ref_logp - logp)
 
 
 def _check_groups(n: int, group_size: int) -> None:
@@ -137,29 +104,6 @@ def gae_advantages(
     return advantages, (advantages + values) * m
 
 
-def overlong_penalty(lengths: Tensor, max_len: int, cache_len: int) -> Tensor:
-    """DAPO soft overlong punishment per response length ``L`` (with ``e = max_len - cache_len``).
-
-    ``0`` if ``L <= e``; ``(e - L) / cache_len`` if ``e < L <= max_len``; ``-1`` if ``L > max_len``.
-
-    Args:
-        lengths: ``[N]`` response lengths. max_len: > 0. cache_len: in [0, max_len] (0: only 0 or -1).
-
-    Returns:
-        ``[N]`` float penalties in [-1, 0].
-    """
-    if max_len <= 0:
-        raise ValueError(f"`max_len` must be > 0, got {max_len}")
-    if not 0 <= cache_len <= max_len:
-        raise ValueError(f"`cache_len` must be in [0, max_len={max_len}], got {cache_len}")
-    lengths = torch.as_tensor(lengths)
-    lengths = lengths if lengths.is_floating_point() else lengths.to(torch.get_default_dtype())
-    expected = max_len - cache_len
-    ramp = (expected - lengths) / max(cache_len, 1)  # only used where cache_len > 0
-    penalty = torch.where(lengths > expected, ramp, torch.zeros_like(lengths))
-    return torch.where(lengths > max_len, -torch.ones_like(lengths), penalty)
-
-
 def dapo_group_keep(correct: Tensor, group_size: int) -> Tensor:
     """DAPO dynamic sampling: keep groups that are neither all-correct nor all-wrong.
 
@@ -175,7 +119,7 @@ def dapo_group_keep(correct: Tensor, group_size: int) -> Tensor:
     return (n_correct > 0) & (n_correct < group_size)
 
 
-# ---- PPO: per-token rewards, whitening, the adaptive KL controller, explained variance ----------------
+# ---- PPO: per-token rewards, whitening, explained variance -------------------------------------------
 def token_rewards(scores: Tensor, mask: Tensor, kl: Tensor | None = None, kl_coef: float = 0.0) -> Tensor:
     """Per-token rewards for GAE: ``-kl_coef * kl_t`` on every valid token, plus the sequence score on
     the last valid token of its row (InstructGPT / verl's KL-in-reward form; with holes in ``mask``, the
@@ -282,95 +226,3 @@ def explained_variance(residual_moments: Tensor, returns_moments: Tensor) -> Ten
     _, var_res = moments_mean_var(residual_moments)
     _, var_ret = moments_mean_var(returns_moments)
     return 1.0 - var_res / var_ret.clamp_min(1e-12)
-
-
-def adaptive_kl_coef(coef: float, kl: float, target: float, n_steps: int, horizon: int) -> float:
-    """Ziegler et al. (2019)'s proportional controller, as in TRL / verl: the KL coefficient after a batch
-    of ``n_steps`` samples whose mean KL (summed over tokens) was ``kl``.
-
-    ``coef * (1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon)``.
-    """
-    if not target > 0 or not horizon > 0:
-        raise ValueError(f"`kl_target` and `kl_horizon` must be > 0, got {target} and {horizon}")
-    error = min(max(kl / target - 1.0, -0.2), 0.2)
-    return coef * (1.0 + error * n_steps / horizon)
-
-
-# ---- rollout-engine correction: the sampler's log-probs differ from the trainer's (kernels, precision) ---
-def _rollout_log_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, level: str) -> Tensor:
-    """``log w`` per token (float32 or wider, not clamped), 0 on invalid tokens."""
-    check_shapes("old_logp", old_logp, ndim=2, rollout_logp=rollout_logp, mask=mask)
-    check_choice("level", level, ROLLOUT_IS_LEVELS)
-    mask = mask.bool()
-    dtype = torch.promote_types(old_logp.dtype, torch.float32)
-    # zeroed before any sum or exp: garbage (inf/NaN) on invalid tokens cannot leak
-    diff = torch.where(mask, old_logp.detach().to(dtype) - rollout_logp.detach().to(dtype), 0.0)
-    if level == "sequence":
-        diff = torch.where(mask, diff.sum(-1, keepdim=True), 0.0)
-    return diff
-
-
-@torch.no_grad()
-def rollout_is_weights(
-    old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, level: str = "token", mode: str = "truncate",
-    cap: float = 2.0,
-) -> Tensor:
-    """Importance weights from the rollout engine's policy to the trainer's, detached (TIS / MIS).
-
-    Token level ``w_it = exp(old_logp_it - rollout_logp_it)``; sequence level
-    ``w_i = exp(sum_t m_it (old_logp_it - rollout_logp_it))`` on every valid token of row ``i``.
-    ``truncate``: ``min(w, cap)``; ``mask``: ``w`` where ``w <= cap``, else 0 (the token, or the whole
-    row at sequence level, is dropped). The exponent is clamped at 20 before ``exp`` (no overflow); the
-    result is exact for any ``cap < e^20``.
-
-    Args:
-        old_logp: ``[B, T]`` trainer log-probs of the sampled tokens (behaviour policy, recomputed).
-        rollout_logp: ``[B, T]`` the sampler's log-probs of the same tokens. mask: ``[B, T]``.
-        level: ``token`` or ``sequence``. mode: ``truncate`` or ``mask``. cap: >= 1 (on-policy w = 1 stays).
-
-    Returns:
-        ``[B, T]`` float32 (float64 if the inputs are), no gradient, 0 on invalid tokens.
-    """
-    check_choice("mode", mode, ROLLOUT_IS_MODES)
-    if not cap >= 1.0:
-        raise ValueError(f"`cap` must be >= 1, got {cap}")
-    log_weight = _rollout_log_weights(old_logp, rollout_logp, mask, level)
-    weight = torch.exp(log_weight.clamp(max=ROLLOUT_LOG_WEIGHT_MAX))
-    weight = weight.clamp(max=cap) if mode == "truncate" else torch.where(weight <= cap, weight, 0.0)
-    return torch.where(mask.bool(), weight, 0.0)
-
-
-@torch.no_grad()
-def rollout_mismatch_stats(
-    old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, weights: Tensor, cap: float, *, level: str = "token"
-) -> dict[str, Tensor]:
-    """How far the rollout engine's log-probs are from the trainer's, over valid tokens (detached scalars).
-
-    * ``rollout/logp_diff_mean``: mean ``|old_logp - rollout_logp|``.
-    * ``rollout/mismatch_k3``: mean k3 estimate of KL(engine || trainer) from the engine's samples,
-      ``exp(d) - d - 1`` with ``d = old_logp - rollout_logp`` (``kl_penalty(rollout_logp, old_logp)``),
-      i.e. ``(w - 1) - log w`` of the token weight; >= 0, 0 when the two agree (``d`` clamped at 20).
-    * ``rollout/is_weight_mean``: mean of ``weights`` (as applied, after truncation or masking).
-    * ``rollout/is_clipped_frac``: fraction of tokens whose raw weight at ``level`` exceeded ``cap``.
-
-    Args:
-        old_logp, rollout_logp, mask, weights: ``[B, T]``; ``weights`` from :func:`rollout_is_weights`.
-        cap: the cap the weights were computed with. level: theirs (``token`` or ``sequence``).
-    """
-    check_shapes("old_logp", old_logp, ndim=2, rollout_logp=rollout_logp, mask=mask, weights=weights)
-    if not cap >= 1.0:
-        raise ValueError(f"`cap` must be >= 1, got {cap}")
-    mask = mask.bool()
-    token = _rollout_log_weights(old_logp, rollout_logp, mask, "token")
-    raw = token if level == "token" else _rollout_log_weights(old_logp, rollout_logp, mask, level)
-    count, zero = mask.sum().clamp_min(1), torch.zeros_like(token)
-
-    def mean(x: Tensor) -> Tensor:
-        return torch.where(mask, x.to(token.dtype), 0.0).sum() / count
-
-    return {
-        "rollout/logp_diff_mean": mean(token.abs()),
-        "rollout/mismatch_k3": mean(kl_penalty(zero, token.clamp(max=ROLLOUT_LOG_WEIGHT_MAX), "k3")),
-        "rollout/is_weight_mean": mean(weights.detach()),
-        "rollout/is_clipped_frac": mean(raw > math.log(cap)),
-    }

@@ -8,9 +8,10 @@ completion tokens under the current / behaviour / reference policy; ``mask`` is 
 One implementation of every policy objective: :func:`policy_loss`, a point on four axes, each a
 registry: the ratio level (:data:`RATIO_LEVELS`, in :mod:`lightning_rl.maths.ratio_levels`), the trust region
 (:data:`TRUST_REGIONS`, in :mod:`lightning_rl.maths.trust_regions`), the aggregation (:data:`AGGREGATORS`) and
-a KL-to-reference term (:func:`~lightning_rl.maths.advantages.kl_penalty`). The contract losses
-(``ppo_policy_loss``, ``grpo_loss``, ``gspo_loss``, ``dapo_loss``, ``sapo_loss``) are thin presets of it, and
-training reaches it through :class:`lightning_rl.maths.objective.Objective`.
+a KL-to-reference term (:func:`~lightning_rl.maths.penalties.kl_penalty`). The contract losses
+(``ppo_policy_loss``, ``grpo_loss``, ``gspo_loss``, ``dapo_loss``, ``sapo_loss``) are thin presets of it, in
+:mod:`lightning_rl.maths.policy_presets`, and training reaches it through
+:class:`lightning_rl.maths.objective.Objective`.
 
 To add a trust region: write a function in :mod:`lightning_rl.maths.trust_regions` that takes the common
 inputs as keywords, ``logp``, ``log_ratio``, ``adv``, ``mask`` (all ``[B, T]``; ``logp`` differentiable
@@ -36,15 +37,9 @@ from typing import Any
 
 import torch
 
-from lightning_rl.maths.advantages import KL_ESTIMATORS, KLEstimator, kl_penalty
-from lightning_rl.maths.aggregation import (
-    AGGREGATIONS,
-    Aggregation,
-    Count,
-    aggregate,
-    masked_mean,
-)
+from lightning_rl.maths.aggregation import AGGREGATIONS, Count, aggregate, masked_mean
 from lightning_rl.maths.checks import check_choice, check_range, check_shapes
+from lightning_rl.maths.penalties import KL_ESTIMATORS, kl_penalty
 from lightning_rl.maths.ratio_levels import RATIO_LEVELS
 from lightning_rl.maths.trust_regions import (
     TRUST_REGIONS,
@@ -52,10 +47,7 @@ from lightning_rl.maths.trust_regions import (
     trust_region_options,
 )
 
-__all__ = [
-    "broadcast_advantages", "dapo_loss", "entropy_from_logits", "grpo_loss", "gspo_loss", "policy_loss",
-    "ppo_policy_loss", "sapo_loss", "value_loss",
-]
+__all__ = ["broadcast_advantages", "entropy_from_logits", "policy_loss", "value_loss"]
 
 Tensor = torch.Tensor
 
@@ -97,22 +89,11 @@ def _trust_region(
 
 
 def policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    ref_logp: Tensor | None,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    ratio_level: str = "token",
-    trust_region: str = "clip",
-    trust_region_args: Mapping[str, Any] | None = None,
-    aggregation: str = "seq-mean-token-mean",
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    num_tokens: Count = None,
-    num_seqs: Count = None,
-    token_weights: Tensor | None = None,
-    kl_clamp: float | None = None,
+    logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, advantages: Tensor, mask: Tensor, *,
+    ratio_level: str = "token", trust_region: str = "clip",
+    trust_region_args: Mapping[str, Any] | None = None, aggregation: str = "seq-mean-token-mean",
+    kl_coef: float = 0.0, kl_estimator: str = "k3", num_tokens: Count = None, num_seqs: Count = None,
+    token_weights: Tensor | None = None, kl_clamp: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Every policy objective: ``aggregate(surrogate(logp, log r, A, mask) + kl_coef * KL(pi || pi_ref))``.
 
@@ -140,19 +121,29 @@ def policy_loss(
     _check_policy_args(logp, old_logp, ref_logp, mask, ratio_level, trust_region, aggregation, kl_coef,
                        kl_estimator)
     mask = mask.bool()
+    per_token, metrics = _surrogate_loss(logp, old_logp, advantages, mask, ratio_level, trust_region,
+                                         trust_region_args, token_weights)
+    if ref_logp is not None:
+        term, kl_metrics = _reference_kl(logp, ref_logp, mask, kl_estimator, kl_clamp)
+        per_token = per_token + kl_coef * term if kl_coef != 0 else per_token
+        metrics.update(kl_metrics)
+    return aggregate(per_token, mask, aggregation, num_tokens=num_tokens, num_seqs=num_seqs), metrics
+
+
+def _surrogate_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, ratio_level: str, trust_region: str,
+    trust_region_args: Mapping[str, Any] | None, token_weights: Tensor | None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """:func:`policy_loss`'s surrogate before the KL term and the aggregation: the ratio at ``ratio_level``,
+    the trust region's per-token loss (``[B, T]``, times the detached ``token_weights`` if given) and its
+    metrics (:func:`_surrogate_metrics`); ``mask`` bool."""
     level = RATIO_LEVELS[ratio_level]
     adv = level.advantages(broadcast_advantages(advantages, logp), mask)
     log_ratio = level.log_ratio(logp, old_logp, mask)
     valid_logp = torch.where(mask, logp, 0.0)  # a region that reads logp (CISPO) never sees padding garbage
     surrogate = _trust_region(trust_region, trust_region_args, valid_logp, log_ratio, adv, mask)
     per_token = surrogate.loss if token_weights is None else surrogate.loss * token_weights.detach()
-    metrics = _surrogate_metrics(surrogate, log_ratio, mask, level.metric_mode, logp.dtype)
-    if ref_logp is not None:
-        term, kl_metrics = _reference_kl(logp, ref_logp, mask, kl_estimator, kl_clamp)
-        if kl_coef != 0:
-            per_token = per_token + kl_coef * term
-        metrics.update(kl_metrics)
-    return aggregate(per_token, mask, aggregation, num_tokens=num_tokens, num_seqs=num_seqs), metrics
+    return per_token, _surrogate_metrics(surrogate, log_ratio, mask, level.metric_mode, logp.dtype)
 
 
 def _check_policy_args(
@@ -207,122 +198,7 @@ def _reference_kl(
     return term, metrics
 
 
-# ------------------------------------------------------------------------------- the contract's presets
-def _ppo_clip(clip_eps: float, clip_eps_high: float | None, clip_ratio_c: float | None) -> dict[str, Any]:
-    """The clip trust region's options from PPO's argument names, validated under those names."""
-    check_range("clip_eps", clip_eps, high=1.0)
-    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    check_range("clip_eps_high", eps_high)
-    return {"clip_low": clip_eps, "clip_high": eps_high, "clip_ratio_c": clip_ratio_c}
-
-
-def ppo_policy_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_eps: float = 0.2,
-    aggregation: Aggregation = "token-mean", *, clip_eps_high: float | None = None,
-    clip_ratio_c: float | None = None, num_tokens: Count = None, num_seqs: Count = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate: ``aggregate(-min(r A, clip(r, 1-eps, 1+eps_high) A))``,
-    ``r = exp(logp - old_logp)``; dual clip (``clip_ratio_c = c > 1``) caps the loss at ``-c A`` for A < 0.
-
-    Args:
-        clip_eps: lower (and default upper) clip range, in (0, 1).
-        clip_eps_high: upper range (None: clip_eps).
-        aggregation: one of :data:`AGGREGATIONS`. clip_ratio_c: dual-clip constant ``c > 1`` or None (off).
-        num_tokens, num_seqs: whole-minibatch normalisers (see :func:`aggregate`).
-        token_weights: ``[B, T]`` detached per-token weights of the surrogate (off-policy correction,
-            :func:`rollout_is_weights`), or None; the KL term is not weighted.
-
-    Returns:
-        ``(loss, metrics)`` with ``policy/{clip_frac, clip_frac_low, clip_frac_high, approx_kl, ratio_mean}``
-        and ``policy/clip_frac_dual`` when dual clip is on.
-    """
-    clip = _ppo_clip(clip_eps, clip_eps_high, clip_ratio_c)
-    return policy_loss(logp, old_logp, None, advantages, mask, trust_region="clip", trust_region_args=clip,
-                       aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs)
-
-
-def dapo_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float = 0.2,
-    clip_high: float = 0.28, aggregation: Aggregation = "token-mean", *, clip_ratio_c: float | None = None,
-    num_tokens: Count = None, num_seqs: Count = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """DAPO: PPO clip with the decoupled ("clip-higher") range ``[1 - clip_low, 1 + clip_high]``.
-
-    Same shapes, options and metrics as :func:`ppo_policy_loss`.
-    """
-    clip = {"clip_low": clip_low, "clip_high": clip_high, "clip_ratio_c": clip_ratio_c}
-    return policy_loss(logp, old_logp, None, advantages, mask, trust_region="clip", trust_region_args=clip,
-                       aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs)
-
-
-def grpo_loss(
-    logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, advantages: Tensor, mask: Tensor,
-    clip_eps: float = 0.2, beta: float = 0.04, aggregation: Aggregation = "seq-mean-token-mean", *,
-    clip_eps_high: float | None = None, clip_ratio_c: float | None = None, kl_estimator: KLEstimator = "k3",
-    num_tokens: Count = None, num_seqs: Count = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """GRPO: ``-aggregate(min(r A, clip(r) A) - beta * KL_t)``, ``KL_t = kl_penalty(logp, ref_logp)``.
-
-    Args:
-        ref_logp: ``[B, T]`` reference log-probs; may be ``None`` only when ``beta == 0``.
-        beta: KL coefficient, >= 0.
-        kl_estimator: one of :data:`KL_ESTIMATORS` (default k3, as in the GRPO paper).
-        Others: as in :func:`ppo_policy_loss` (default aggregation is per-sequence token mean).
-
-    Returns:
-        ``(loss, metrics)``: the PPO metrics plus ``policy/kl_ref`` when ``ref_logp`` is given.
-    """
-    if beta < 0:
-        raise ValueError(f"`beta` must be >= 0, got {beta}")
-    if ref_logp is None and beta != 0:
-        raise ValueError(f"`ref_logp` is None but beta={beta}; pass ref_logp or set beta=0")
-    clip = _ppo_clip(clip_eps, clip_eps_high, clip_ratio_c)
-    return policy_loss(logp, old_logp, ref_logp, advantages, mask, trust_region="clip",
-                       trust_region_args=clip, aggregation=aggregation, kl_coef=beta,
-                       kl_estimator=kl_estimator, num_tokens=num_tokens, num_seqs=num_seqs)
-
-
-def gspo_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float = 3e-4,
-    clip_high: float = 4e-4, *, num_seqs: Count = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """GSPO: sequence-level ratio ``s_i = exp(sum_t m_it (logp - old_logp)_it / sum_t m_it)``;
-    ``loss = -mean_i min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i)`` over rows with a valid token.
-
-    The same computation as training's ``ratio_level: sequence`` (GSPO-token, equal in value and gradient).
-
-    Args:
-        advantages: ``[B]``, or ``[B, T]`` constant per row (the row's masked mean over valid tokens is used).
-        num_seqs: whole-minibatch count of non-empty rows (micro-batching).
-        Others: as in :func:`ppo_policy_loss`.
-
-    Returns:
-        ``(loss, metrics)``: ``policy/{clip_frac, clip_frac_low, clip_frac_high, ratio_mean, approx_kl}`` are
-        means over sequences, i.e. over what the sequence ratio clips (``ratio_mean`` = mean of ``s_i``,
-        ``approx_kl`` = mean of ``(s_i - 1) - log s_i``).
-    """
-    clip = {"clip_low": clip_low, "clip_high": clip_high}
-    return policy_loss(logp, old_logp, None, advantages, mask, ratio_level="sequence", trust_region="clip",
-                       trust_region_args=clip, aggregation="seq-mean-token-mean", num_seqs=num_seqs)
-
-
-def sapo_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, tau_pos: float = 1.0,
-    tau_neg: float = 1.05, aggregation: Aggregation = "seq-mean-token-mean", *, num_tokens: Count = None,
-    num_seqs: Count = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """SAPO soft gate: ``loss = -aggregate(f(r) A)``, ``f(r) = 4 / tau * sigmoid(tau (r - 1))``,
-    ``tau = tau_pos if A > 0 else tau_neg`` (see :func:`soft_gate_surrogate`).
-
-    Returns:
-        ``(loss, metrics)`` with ``policy/{gate_weight_mean, approx_kl, ratio_mean}``.
-    """
-    gate = {"tau_pos": tau_pos, "tau_neg": tau_neg}
-    return policy_loss(logp, old_logp, None, advantages, mask, trust_region="soft_gate",
-                       trust_region_args=gate, aggregation=aggregation, num_tokens=num_tokens,
-                       num_seqs=num_seqs)
-
-
+# ------------------------------------------------------------------------------------------ value loss
 def value_loss(
     values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_eps: float = 0.2, *,
     num_tokens: Count = None,

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from lightning_rl.maths.advantages import KL_ESTIMATORS, KLEstimator
 from lightning_rl.maths.aggregation import AGGREGATIONS, Aggregation
 from lightning_rl.maths.losses import policy_loss
+from lightning_rl.maths.penalties import KL_ESTIMATORS, KLEstimator
 from lightning_rl.maths.ratio_levels import RATIO_LEVELS, RatioLevel
 from lightning_rl.maths.trust_regions import TRUST_REGIONS, TrustRegion, trust_region_options
 

@@ -63,14 +63,8 @@ def dpo_loss(
         ``(loss, metrics)`` with ``rewards/{chosen, rejected, accuracy, margin}``; rewards are
         ``beta * (logp - ref_logp)`` batch means, accuracy is the fraction with chosen > rejected (strict).
     """
-    check_shapes(
-        "chosen_logps",
-        chosen_logps,
-        ndim=1,
-        rejected_logps=rejected_logps,
-        ref_chosen_logps=ref_chosen_logps,
-        ref_rejected_logps=ref_rejected_logps,
-    )
+    check_shapes("chosen_logps", chosen_logps, ndim=1, rejected_logps=rejected_logps,
+                 ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps)
     check_range("beta", beta)
     check_choice("loss_type", loss_type, DPO_LOSS_TYPES)
     if not 0.0 <= label_smoothing < 0.5:
@@ -78,15 +72,21 @@ def dpo_loss(
     chosen = chosen_logps - ref_chosen_logps
     rejected = rejected_logps - ref_rejected_logps
     loss = _DPO_LOSSES[loss_type](chosen - rejected, beta, label_smoothing).mean()
-    with torch.no_grad():
-        r_c, r_r = beta * chosen.detach(), beta * rejected.detach()
-        metrics = {
-            "rewards/chosen": r_c.mean(),
-            "rewards/rejected": r_r.mean(),
-            "rewards/accuracy": (r_c > r_r).to(r_c.dtype).mean(),
-            "rewards/margin": (r_c - r_r).mean(),
-        }
-    return loss, metrics
+    return loss, _dpo_reward_metrics(chosen, rejected, beta)
+
+
+@torch.no_grad()
+def _dpo_reward_metrics(chosen: Tensor, rejected: Tensor, beta: float) -> dict[str, Tensor]:
+    """:func:`dpo_loss`'s metrics from the ``[B]`` log-ratios to the reference of the chosen / rejected
+    completions: the implicit rewards ``beta * log-ratio`` (batch means), their margin and the fraction of
+    pairs whose chosen reward is strictly higher."""
+    r_c, r_r = beta * chosen.detach(), beta * rejected.detach()
+    return {
+        "rewards/chosen": r_c.mean(),
+        "rewards/rejected": r_r.mean(),
+        "rewards/accuracy": (r_c > r_r).to(r_c.dtype).mean(),
+        "rewards/margin": (r_c - r_r).mean(),
+    }
 
 
 def reward_model_loss(

@@ -63,6 +63,26 @@ def _resolve_class(class_path: str, peft: Any, key: str) -> type:
     return cls
 
 
+def _config_from_mapping(spec: Mapping, peft: Any, key: str) -> Any:
+    """The ``peft.PeftConfig`` of the YAML form ``{"class_path": ..., "init_args": {...}}`` (see
+    :func:`peft_config`).
+
+    Raises:
+        ValueError: no ``class_path``, an unknown class, or arguments the config class rejects.
+    """
+    if not isinstance(spec.get("class_path"), str):
+        raise ValueError(f"`{key}` takes `class_path` (e.g. peft.LoraConfig) and `init_args`, got "
+                         f"{sorted(spec)}")
+    cls = _resolve_class(spec["class_path"], peft, key)
+    # other keys are init args too: jsonargparse puts `--model.init_args.policy.peft.init_args.r 8` there
+    extra = {k: v for k, v in spec.items() if k not in ("class_path", "init_args")}
+    init_args = {**(spec.get("init_args") or {}), **extra}
+    try:
+        return cls(**init_args)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"`{key}.init_args`: {cls.__name__} rejected {init_args}: {err}") from err
+
+
 def peft_config(spec: Any, key: str = "model.policy.peft") -> Any:
     """Build the ``peft.PeftConfig`` that ``spec`` describes.
 
@@ -85,17 +105,7 @@ def peft_config(spec: Any, key: str = "model.policy.peft") -> Any:
     if isinstance(spec, peft.PeftConfig):
         config = copy.deepcopy(spec)
     elif isinstance(spec, Mapping):
-        if not isinstance(spec.get("class_path"), str):
-            raise ValueError(f"`{key}` takes `class_path` (e.g. peft.LoraConfig) and `init_args`, got "
-                             f"{sorted(spec)}")
-        cls = _resolve_class(spec["class_path"], peft, key)
-        # other keys are init args too: jsonargparse puts `--model.init_args.policy.peft.init_args.r 8` there
-        extra = {k: v for k, v in spec.items() if k not in ("class_path", "init_args")}
-        init_args = {**(spec.get("init_args") or {}), **extra}
-        try:
-            config = cls(**init_args)
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"`{key}.init_args`: {cls.__name__} rejected {init_args}: {err}") from err
+        config = _config_from_mapping(spec, peft, key)
     else:
         raise ValueError(f"`{key}` must be a mapping with `class_path` / `init_args` or a peft.PeftConfig, "
                          f"got {type(spec).__name__}")

@@ -9,16 +9,18 @@ has a bias, which starts at 0). The critic reads the policy's token ids, so its 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForTokenClassification
 
 from lightning_rl.models.adapters import base_state_dict, is_peft_model
 from lightning_rl.models.loading import load_pretrained, torch_dtype
+from lightning_rl.models.model_utils import base_model, disable_dropout, position_ids
 from lightning_rl.models.policy import Policy
-from lightning_rl.models.scoring import base_model, disable_dropout, position_ids
 
 
 def _head(model: nn.Module) -> nn.Linear | None:
@@ -144,3 +146,37 @@ def load_critic(
     if head is not None and head.bias is not None and any("score" in k and k.endswith("bias") for k in fresh):
         nn.init.zeros_(head.bias)  # a reward model's head has no bias: start the critic's at 0
     return Critic(model, policy.tokenizer)
+
+
+@dataclass(frozen=True)
+class CriticOptions:
+    """PPO's value model, trained beside the policy with its own optimiser.
+
+    Args:
+        model: where it starts: ``None`` copies the policy's weights (fresh scalar head); else a folder or
+            hub id that ``AutoModelForTokenClassification`` loads with one label (a causal LM, a reward model
+            from ``configs/reward_model.yaml``, a saved critic) with the policy's vocabulary.
+        optimizer: its optimiser factory (``class_path`` + ``init_args``).
+        lr_scheduler: its LR scheduler factory, stepped with its optimiser.
+        vf_coef: weight of the value loss.
+        value_clip: clip range around the rollout-time values (``None``: off).
+        warmup: rollouts at the start during which only the critic learns.
+    """
+
+    model: str | None = None
+    optimizer: OptimizerCallable = torch.optim.AdamW
+    lr_scheduler: LRSchedulerCallable | None = None
+    vf_coef: float = 0.5
+    value_clip: float | None = 0.2
+    warmup: int = 0
+
+    def __post_init__(self) -> None:
+        require_critic(vf_coef=(self.vf_coef > 0, self.vf_coef), warmup=(self.warmup >= 0, self.warmup),
+                value_clip=(self.value_clip is None or self.value_clip > 0, self.value_clip))
+
+
+def require_critic(**checks: tuple[bool, Any]) -> None:
+    """Raise ``ValueError`` naming ``model.critic.<key>`` for the first check that fails."""
+    for key, (ok, value) in checks.items():
+        if not ok:
+            raise ValueError(f"`model.critic.{key}` is out of range, got {value!r}")

@@ -15,8 +15,7 @@ import torch
 from torch import Tensor, nn
 from transformers import GenerationConfig
 
-from lightning_rl.models.sampling import sample_compacting
-from lightning_rl.models.scoring import (
+from lightning_rl.models.model_utils import (
     base_model,
     cache_argument,
     eval_mode,
@@ -24,6 +23,7 @@ from lightning_rl.models.scoring import (
     position_ids,
     returned_cache,
 )
+from lightning_rl.models.sampling import sample_compacting
 
 if TYPE_CHECKING:
     from lightning_rl.models.policy import Policy
@@ -129,6 +129,32 @@ def prefilled_cache(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, n
     return {cache_argument(model): cache}
 
 
+def _generation_config(sampling: SamplingParams, eos: int, pad: int, return_logits: bool) -> GenerationConfig:
+    """``generate``'s config for ``sampling``: greedy, or sampling at its temperature / top-k / top-p; the
+    output a dict, with each step's raw logits when ``return_logits``."""
+    options = {"do_sample": False}
+    if not sampling.greedy:
+        options = {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k,
+                   "top_p": sampling.top_p}
+    return GenerationConfig(max_new_tokens=sampling.max_new_tokens, pad_token_id=pad, eos_token_id=eos,
+                            return_dict_in_generate=True, output_logits=return_logits, **options)
+
+
+def _compact_generate(model: nn.Module, ids: Tensor, mask: Tensor, sampling: SamplingParams, eos: int,
+                      pad: int, return_logprobs: bool) -> Generation:
+    """:func:`hf_generate` with :func:`sample_compacting` (in eval mode) over the already repeated prompt
+    rows; ``rollout_logp`` 0 on padding when ``return_logprobs``."""
+    with eval_mode(model):
+        out = sample_compacting(model, ids, mask, max_new_tokens=sampling.max_new_tokens,
+                                eos_token_id=eos, pad_token_id=pad, temperature=sampling.temperature,
+                                top_k=sampling.top_k, top_p=sampling.top_p, do_sample=not sampling.greedy,
+                                return_logprobs=return_logprobs)
+    out, logp = out if return_logprobs else (out, None)
+    gen = make_generation(ids, mask, out, eos, pad)
+    gen.rollout_logp = None if logp is None else logp * gen.completion_mask
+    return gen
+
+
 @torch.no_grad()
 def hf_generate(policy: Policy, prompt_ids: Tensor, prompt_mask: Tensor, *, num_samples: int,
                 sampling: SamplingParams, compact: bool = False, synced_gpus: bool = False,
@@ -145,24 +171,11 @@ def hf_generate(policy: Policy, prompt_ids: Tensor, prompt_mask: Tensor, *, num_
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     ids, mask = prompt_ids.repeat_interleave(num_samples, 0), prompt_mask.repeat_interleave(num_samples, 0)
     if compact and not synced_gpus and not return_logits:
-        with eval_mode(model):
-            out = sample_compacting(model, ids, mask, max_new_tokens=sampling.max_new_tokens,
-                                    eos_token_id=eos, pad_token_id=pad, temperature=sampling.temperature,
-                                    top_k=sampling.top_k, top_p=sampling.top_p, do_sample=not sampling.greedy,
-                                    return_logprobs=return_logprobs)
-        out, logp = out if return_logprobs else (out, None)
-        gen = make_generation(ids, mask, out, eos, pad)
-        gen.rollout_logp = None if logp is None else logp * gen.completion_mask
-        return gen
+        return _compact_generate(model, ids, mask, sampling, eos, pad, return_logprobs)
     prefix = {}
     if num_samples > 1 and prompt_ids.shape[1] > 1 and policy.share_prompts:
         prefix = prefilled_cache(model, prompt_ids, prompt_mask, num_samples)
-    options = {"do_sample": False}
-    if not sampling.greedy:
-        options = {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k,
-                   "top_p": sampling.top_p}
-    config = GenerationConfig(max_new_tokens=sampling.max_new_tokens, pad_token_id=pad, eos_token_id=eos,
-                              return_dict_in_generate=True, output_logits=return_logits, **options)
+    config = _generation_config(sampling, eos, pad, return_logits)
     with eval_mode(model), plain_generation_config(model):
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
                              synced_gpus=synced_gpus, **prefix)

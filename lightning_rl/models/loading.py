@@ -1,10 +1,7 @@
-"""Building and resolving models: ``builtin:`` names, the character tokenizer and tiny configs.
+"""Resolving and loading models (``builtin:`` names, local folders, hub ids) and checking their files.
 
-The embedded default is a 2-layer Llama over a character tokenizer made with the ``tokenizers``
-library; its warm-started weights (``configs/sft.yaml``) ship as package data in
-``lightning_rl/data/tiny_sort``, so every config runs with no network. ``builtin:tiny-tools`` is the same
-model briefly warm-started on calculator tool traces (``configs/sft_tools.yaml``), in ``data/tiny_tools``.
-Any other ``model`` value is a hub id or a local folder passed to ``from_pretrained``.
+The ``builtin:`` names and the embedded tiny model are :mod:`lightning_rl.models.builtin`'s. Any other
+``model`` value is a hub id or a local folder passed to ``from_pretrained``.
 
 :func:`load_pretrained` is the one loader of ``builtin:`` names, local folders and hub ids, used for the
 policy, the critic and the reward model. A value that is plainly a path (see :func:`looks_local`) is never
@@ -12,96 +9,37 @@ sent to the hub: a missing folder fails at once. A hub id is only downloaded aft
 hub; when the hub cannot be reached the local cache is used, or the load fails at once with a message
 saying how to point at a local folder (``transformers`` alone retries for ~50 s and then blames the repo
 id). Errors name the YAML key.
-
-The tokenizer is saved as an ordinary Hugging Face tokenizer folder, which ``AutoTokenizer`` reloads
-unchanged when the model config is a Llama one (a Qwen2 config would rebuild it as a BPE
-``Qwen2Tokenizer`` and silently drop characters: see DESIGN.md).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import string
 from collections.abc import Callable, Sequence
-from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase
+
+from lightning_rl.models.builtin import (
+    BUILTIN_FOLDERS,
+    BUILTIN_MODELS,
+    build_char_tokenizer,
+    tiny_llama_config,
+)
 
 if TYPE_CHECKING:
     from lightning_rl.models.policy import Policy
 
 T = TypeVar("T")
-# The package data folder of `lightning_rl.data`, located without importing that package (the core does
-# not depend on the data package; find_spec only imports the parent, `lightning_rl`).
-EMBEDDED_MODEL = str(Path(find_spec("lightning_rl.data").origin).parent / "tiny_sort")
-TOOLS_MODEL = str(Path(EMBEDDED_MODEL).parent / "tiny_tools")  # warm-started on calculator tool traces
-# the built-in names that are shipped folders; `builtin:tiny-scratch` is built from a config
-BUILTIN_FOLDERS = {"builtin:tiny-sort": EMBEDDED_MODEL, "builtin:tiny-tools": TOOLS_MODEL}
-BUILTIN_MODELS = ("builtin:tiny-sort", "builtin:tiny-tools", "builtin:tiny-scratch")
 # `dtype` values of the YAML (`model.policy.dtype`, ...) and what `from_pretrained(dtype=...)` receives
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 LOCAL_HINT = "a local save_pretrained folder (e.g. `./my-model`)"
-PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
-SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
 # Endings that make a value a file path, never a hub id (hub names may hold dots: `Qwen/Qwen2.5-0.5B`).
 FILE_SUFFIXES = (
     ".jsonl", ".json", ".csv", ".parquet", ".arrow", ".txt", ".safetensors", ".bin", ".gguf", ".pt"
 )
-ALPHABET = "".join(sorted(set(string.printable) - set("\t\r\x0b\x0c")))  # printable ASCII + space + newline
-
-
-def build_char_tokenizer(alphabet: str = ALPHABET) -> PreTrainedTokenizerFast:
-    """Return a fast tokenizer with one token per character of ``alphabet``.
-
-    Ids: ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3, then the alphabet in order. No BOS or EOS
-    is added when encoding: the tasks append EOS to targets themselves.
-    """
-    chars = list(dict.fromkeys(alphabet))
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    vocab.update({ch: len(SPECIAL_TOKENS) + i for i, ch in enumerate(chars)})
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    # One token per character, spaces and newlines included (no whitespace splitting or stripping).
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token=PAD,
-        bos_token=BOS,
-        eos_token=EOS,
-        unk_token=UNK,
-        clean_up_tokenization_spaces=False,
-        padding_side="left",
-    )
-    return tokenizer
-
-
-def tiny_llama_config(
-    tokenizer: PreTrainedTokenizerBase,
-    hidden_size: int = 128,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    intermediate_size: int = 512,
-    max_position_embeddings: int = 256,
-) -> LlamaConfig:
-    """A small Llama config whose vocabulary and special ids match ``tokenizer``."""
-    return LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
 
 
 def looks_local(value: str) -> bool:

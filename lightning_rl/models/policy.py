@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -23,16 +24,34 @@ from transformers import (
 
 from lightning_rl.models.adapters import is_peft_model
 from lightning_rl.models.generation import Generation, SamplingParams, completion_mask, hf_generate
-from lightning_rl.models.scoring import (
-    ReferencePolicy,
-    TokenScorer,
-    disable_dropout,
-    enable_gradient_checkpointing,
-)
+from lightning_rl.models.model_utils import disable_dropout, enable_gradient_checkpointing
+from lightning_rl.models.scoring import ReferencePolicy, TokenScorer
 
 __all__ = ["Generation", "Policy", "completion_mask"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+
+
+def _model_kwargs(
+    dtype: str | None, trust_remote_code: bool, revision: str | None, attn_implementation: str | None,
+    local_files_only: bool,
+) -> dict[str, Any]:
+    """``AutoModelForCausalLM.from_pretrained``'s keyword arguments for :meth:`Policy.from_pretrained`.
+
+    Raises:
+        ValueError: on an unknown ``dtype``.
+    """
+    if dtype is not None and dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or None, got {dtype!r}")
+    kwargs = {"dtype": _DTYPES[dtype or "float32"], "trust_remote_code": trust_remote_code,
+              "local_files_only": local_files_only}
+    if revision is not None:
+        kwargs["revision"] = revision
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    if local_files_only:  # transformers does not pass it on to its PEFT adapter lookup (which retries)
+        kwargs["adapter_kwargs"] = {"local_files_only": True}
+    return kwargs
 
 
 class Policy(TokenScorer):
@@ -85,8 +104,7 @@ class Policy(TokenScorer):
         """Load a hub id or a local folder with ``AutoModelForCausalLM`` and ``AutoTokenizer``.
 
         This is the plain ``transformers`` call; ``lightning_rl.models.loading.load_policy`` adds the checks
-        for
-        missing folders and an unreachable hub.
+        for missing folders and an unreachable hub.
 
         Args:
             name_or_path: hub id or local folder.
@@ -101,16 +119,7 @@ class Policy(TokenScorer):
         Raises:
             ValueError: on an unknown ``dtype``.
         """
-        if dtype is not None and dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or None, got {dtype!r}")
-        kwargs = {"dtype": _DTYPES[dtype or "float32"], "trust_remote_code": trust_remote_code,
-                  "local_files_only": local_files_only}
-        if revision is not None:
-            kwargs["revision"] = revision
-        if attn_implementation is not None:
-            kwargs["attn_implementation"] = attn_implementation
-        if local_files_only:  # transformers does not pass it on to its PEFT adapter lookup (which retries)
-            kwargs["adapter_kwargs"] = {"local_files_only": True}
+        kwargs = _model_kwargs(dtype, trust_remote_code, revision, attn_implementation, local_files_only)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
         tok_kwargs = {"trust_remote_code": trust_remote_code, "local_files_only": local_files_only}
         if tokenizer_name_or_path is None and revision is not None:

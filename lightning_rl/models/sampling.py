@@ -16,30 +16,21 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_rl.models.scoring import (
+from lightning_rl.models.model_utils import (
     base_model,
     cache_argument,
     filter_logits,
     keep_logits,
     position_ids,
     returned_cache,
-    shared_prompts,
 )
+from lightning_rl.models.scoring import shared_prompts
 
 
 @torch.no_grad()
 def sample_compacting(
-    model: nn.Module,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    *,
-    max_new_tokens: int,
-    eos_token_id: int,
-    pad_token_id: int,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    do_sample: bool = True,
+    model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: int, eos_token_id: int,
+    pad_token_id: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, do_sample: bool = True,
     return_logprobs: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``[N, C]`` completion tokens for the ``N`` (left-padded) prompt rows, ``C <= max_new_tokens``;
@@ -71,10 +62,7 @@ def sample_compacting(
             keep = torch.nonzero(running).squeeze(1)
             rows, token = rows[keep], token[keep]
             cache.batch_select_indices(keep)
-        attention = torch.cat([mask[rows], torch.ones(len(rows), t + 1, dtype=torch.long, device=device)], 1)
-        step = model(token[:, None], attention_mask=attention, position_ids=(lengths[rows] + t)[:, None],
-                     use_cache=True, **{name: cache}, **keep_logits(model, 1))
-        logits, cache = step.logits[:, -1], returned_cache(step)
+        logits, cache = _decode_step(model, token, mask[rows], lengths[rows], t, cache, name)
     return (out, logp) if logp is not None else out
 
 
@@ -90,6 +78,18 @@ def _prefill(model: nn.Module, prompt_ids: Tensor, mask: Tensor) -> tuple[Tensor
         cache.batch_select_indices(inverse)
         logits = logits[inverse]
     return logits, cache
+
+
+def _decode_step(
+    model: nn.Module, token: Tensor, mask: Tensor, lengths: Tensor, t: int, cache: Any, name: str
+) -> tuple[Tensor, Any]:
+    """One decode step of the running rows: their sampled ``token`` ``[R]`` (completion position ``t``) on
+    top of ``cache`` (passed as ``name``), given their prompt ``mask`` and ``lengths``. Returns the next
+    logits ``[R, V]`` and the cache."""
+    attention = torch.cat([mask, torch.ones(len(token), t + 1, dtype=torch.long, device=mask.device)], 1)
+    step = model(token[:, None], attention_mask=attention, position_ids=(lengths + t)[:, None],
+                 use_cache=True, **{name: cache}, **keep_logits(model, 1))
+    return step.logits[:, -1], returned_cache(step)
 
 
 def _pick(logits: Tensor, temperature: float, top_k: int, top_p: float, do_sample: bool) -> Tensor:

@@ -6,93 +6,22 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import TopKLogitsWarper, TopPLogitsWarper
 
-
-def position_ids(mask: Tensor) -> Tensor:
-    """Position ids that count real tokens only: ``cumsum(mask) - 1``, 0 on left padding.
-
-    Left padding shifts every token; models with absolute positions (GPT-2) are off by ~0.4 nats
-    without this, and rotary models differ slightly. ``mask`` is ``[N, L]`` 0/1 (or bool).
-    """
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-@contextmanager
-def eval_mode(module: nn.Module) -> Iterator[None]:
-    """Run without dropout, then restore each submodule's own mode (they may differ)."""
-    modes = [(m, m.training) for m in module.modules()]
-    module.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
-
-
-def disable_dropout(model: nn.Module) -> None:
-    """Set every dropout probability of ``model`` to 0, so train-mode forwards match eval-mode ones."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0  # Llama-style attention reads a float, not a module
-
-
-def base_model(model: nn.Module) -> nn.Module:
-    """The transformers model under a PEFT wrapper (the one owning ``generation_config``)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
-
-def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
-    """Apply top-k then top-p exactly as ``generate`` does (same HF warpers, same order)."""
-    shape = logits.shape
-    flat = logits.reshape(-1, shape[-1])  # the warpers expect [batch, vocab]
-    if top_k > 0:
-        flat = TopKLogitsWarper(top_k=top_k)(None, flat)
-    if top_p < 1.0:
-        flat = TopPLogitsWarper(top_p=top_p)(None, flat)
-    return flat.reshape(shape)
-
-
-def keep_logits(model: nn.Module, keep: int) -> dict[str, int]:
-    """``{"logits_to_keep": keep}`` for models whose forward takes it (every causal LM of ``transformers``
-    5), else ``{}``: spread into a forward call so the LM head runs on the last ``keep`` positions only."""
-    params = inspect.signature(base_model(model).forward).parameters
-    return {"logits_to_keep": keep} if "logits_to_keep" in params else {}
-
-
-def enable_gradient_checkpointing(model: nn.Module) -> None:
-    """Recompute ``model``'s activations in backward (a ``transformers`` model, or PEFT around one).
-
-    Non-reentrant, so inputs that need no gradient (frozen embeddings under PEFT) still give gradients to
-    the layers after them. ``transformers`` 5.23 renamed the method to ``activation_checkpointing_enable``
-    (the old name warns from then on); 5.0-5.22 have only ``gradient_checkpointing_enable``.
-    """
-    kwargs = {"use_reentrant": False}
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def is_gradient_checkpointing(model: nn.Module) -> bool:
-    """Whether activation (gradient) checkpointing is on anywhere in ``model``.
-
-    Reads the ``gradient_checkpointing`` flag that ``transformers`` sets on its layers (what both
-    ``is_activation_checkpointing``, 5.23+, and the older ``is_gradient_checkpointing`` read), so it
-    needs no version branch and does not warn.
-    """
-    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+from lightning_rl.models.model_utils import (
+    base_model,
+    cache_argument,
+    eval_mode,
+    filter_logits,
+    keep_logits,
+    position_ids,
+    returned_cache,
+)
 
 
 def _completion_logits(
@@ -108,19 +37,6 @@ def _completion_logits(
     out = model(input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                 use_cache=False, **keep_logits(model, keep))
     return out.logits[:, -keep:-1]
-
-
-def cache_argument(model: nn.Module) -> str:
-    """The name under which ``model`` takes a KV cache: ``cache`` (``transformers`` 5.24+, where
-    ``past_key_values`` is a deprecated alias) or ``past_key_values`` (5.0-5.23)."""
-    named = "cache" in inspect.signature(base_model(model).forward).parameters
-    return "cache" if named else "past_key_values"
-
-
-def returned_cache(out: Any) -> Any:
-    """The KV cache of a model output, under either name (see :func:`cache_argument`)."""
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
 
 
 def shared_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -211,6 +127,37 @@ def _valid_position_logprobs(
     return logp, logp_all.new_zeros(valid.shape).masked_scatter(valid, entropy)
 
 
+def _all_completion_logits(
+    model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+    completion_mask: Tensor, share_prompts: bool,
+) -> Tensor:
+    """``[N, C, V]`` completion logits: with each distinct prompt run once (:func:`_prefix_shared_logits`)
+    when ``share_prompts`` and rows repeat prompts, else from one forward over prompt + completion."""
+    shared = shared_prompts(prompt_ids, prompt_mask) if share_prompts else None
+    if shared is not None:
+        return _prefix_shared_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *shared)
+    return _completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+
+
+def _logprobs_from_logits(
+    logits: Tensor, completion_ids: Tensor, completion_mask: Tensor, temperature: float, top_k: int,
+    top_p: float, with_entropy: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """``(logp, entropy)`` of the completion tokens from their ``[N, C, V]`` logits: tempered, then
+    top-k / top-p filtered; 0 on masked positions (entropy: None unless ``with_entropy``)."""
+    logits = logits.float() / temperature
+    if top_k > 0 or top_p < 1.0:
+        logits = filter_logits(logits, top_k, top_p)
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    # Padding may hold tokens filtered to -inf: keep masked positions finite for the callers' sums.
+    logp = logp.masked_fill(completion_mask == 0, 0.0)
+    if not with_entropy:
+        return logp, None
+    # Filtered tokens have p = 0 and log p = -inf: count them as 0, not NaN.
+    return logp, -(logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)
+
+
 class TokenScorer(nn.Module):
     """Scores completion tokens with ``self._scoring()``'s model; shared by policy and reference.
 
@@ -224,16 +171,8 @@ class TokenScorer(nn.Module):
         raise NotImplementedError
 
     def token_logprobs(
-        self,
-        prompt_ids: Tensor,
-        prompt_mask: Tensor,
-        completion_ids: Tensor,
-        completion_mask: Tensor,
-        *,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        with_entropy: bool = False,
+        self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor, *,
+        temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, with_entropy: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Log-probs of the completion tokens, from one forward pass over prompt + completion.
 
@@ -263,23 +202,10 @@ class TokenScorer(nn.Module):
                 return _valid_position_logprobs(split, prompt_ids, prompt_mask, completion_ids,
                                                 completion_mask, temperature, top_k, top_p, with_entropy)
         with context:
-            shared = shared_prompts(prompt_ids, prompt_mask) if self.share_prompts else None
-            if shared is not None:
-                logits = _prefix_shared_logits(model, prompt_ids, prompt_mask, completion_ids,
-                                               completion_mask, *shared)
-            else:
-                logits = _completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
-        logits = logits.float() / temperature
-        if top_k > 0 or top_p < 1.0:
-            logits = filter_logits(logits, top_k, top_p)
-        logp_all = torch.log_softmax(logits, dim=-1)
-        logp = logp_all.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
-        # Padding may hold tokens filtered to -inf: keep masked positions finite for the callers' sums.
-        logp = logp.masked_fill(completion_mask == 0, 0.0)
-        if not with_entropy:
-            return logp, None
-        # Filtered tokens have p = 0 and log p = -inf: count them as 0, not NaN.
-        return logp, -(logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)
+            logits = _all_completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                            self.share_prompts)
+        return _logprobs_from_logits(logits, completion_ids, completion_mask, temperature, top_k, top_p,
+                                     with_entropy)
 
     def forward(self, *args: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
         """Same as ``token_logprobs``, so that DDP / FSDP wrappers route through it."""

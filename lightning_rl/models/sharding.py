@@ -95,7 +95,7 @@ def prompt_sharing(wanted: bool, model: nn.Module) -> bool:
     """Whether scoring may run each distinct prompt once (``share_prompt_prefix``): not where forwards are
     collectives (their count would depend on each rank's data), nor under gradient checkpointing (which
     turns the cache off). The policy and its reference are set alike, so their log-probs agree exactly."""
-    from lightning_rl.models.scoring import is_gradient_checkpointing
+    from lightning_rl.models.model_utils import is_gradient_checkpointing
 
     return wanted and not collective_forward(model) and not is_gradient_checkpointing(model)
 
@@ -139,11 +139,7 @@ def refuse_fsdp1(strategy: Any) -> None:
 
 
 def shard_policy_model(
-    model: nn.Module,
-    device_mesh: Any,
-    *,
-    cpu_offload: bool = False,
-    param_dtype: str | None = None,
+    model: nn.Module, device_mesh: Any, *, cpu_offload: bool = False, param_dtype: str | None = None,
     reduce_dtype: str | None = None,
 ) -> bool:
     """``fully_shard`` each decoder layer of ``model``, then ``model`` itself, on the data-parallel mesh.
@@ -165,20 +161,38 @@ def shard_policy_model(
     Raises:
         ValueError: when the mesh has a tensor-parallel dimension larger than 1 (not supported).
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     root = model.get_base_model() if is_peft_model(model) else model
     if isinstance(root, fsdp_module_class()):
         return False
-    mesh = device_mesh
-    if mesh.ndim > 1:
-        names = mesh.mesh_dim_names or ()
-        if "tensor_parallel" in names and mesh["tensor_parallel"].size() > 1:
-            raise ValueError(
-                "tensor parallelism is not supported: set `trainer.strategy.init_args.tensor_parallel_size: "
-                "1` and `data_parallel_size` to the number of processes"
-            )
-        mesh = mesh["data_parallel"]
+    kwargs = _fully_shard_kwargs(_data_parallel_mesh(device_mesh), cpu_offload, param_dtype, reduce_dtype)
+    for layer in decoder_layers(model):
+        if not isinstance(layer, fsdp_module_class()):
+            fully_shard(layer, **kwargs)
+    fully_shard(root, **kwargs)
+    return True
+
+
+def _data_parallel_mesh(mesh: Any) -> Any:
+    """The data-parallel dimension of a 2-D mesh (a 1-D mesh as it is); a ``ValueError`` when the mesh has
+    a tensor-parallel dimension larger than 1 (not supported)."""
+    if mesh.ndim <= 1:
+        return mesh
+    if "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
+        raise ValueError(
+            "tensor parallelism is not supported: set `trainer.strategy.init_args.tensor_parallel_size: "
+            "1` and `data_parallel_size` to the number of processes"
+        )
+    return mesh["data_parallel"]
+
+
+def _fully_shard_kwargs(
+    mesh: Any, cpu_offload: bool, param_dtype: str | None, reduce_dtype: str | None
+) -> dict[str, Any]:
+    """``fully_shard``'s ``mesh``, ``offload_policy`` and (when a dtype is set) ``mp_policy`` arguments."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
     kwargs: dict[str, Any] = {
         "mesh": mesh,
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
@@ -187,11 +201,7 @@ def shard_policy_model(
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=_DTYPES.get(param_dtype or ""), reduce_dtype=_DTYPES.get(reduce_dtype or "")
         )
-    for layer in decoder_layers(model):
-        if not isinstance(layer, fsdp_module_class()):
-            fully_shard(layer, **kwargs)
-    fully_shard(root, **kwargs)
-    return True
+    return kwargs
 
 
 def needs_synced_generation(trainer: Any, model: nn.Module | None = None) -> bool:

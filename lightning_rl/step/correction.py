@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Literal
 
-from lightning_rl.maths.advantages import rollout_is_weights, rollout_mismatch_stats
+from lightning_rl.maths.rollout_weights import rollout_is_weights, rollout_mismatch_stats
 from lightning_rl.step.rollout import Rollout
 
 

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from lightning_rl.models.generation import Generation, SamplingParams, hf_generate
-from lightning_rl.models.scoring import base_model
+from lightning_rl.models.model_utils import base_model
 
 if TYPE_CHECKING:
     from lightning_rl.models.policy import Policy

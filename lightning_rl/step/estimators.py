@@ -19,11 +19,9 @@ import torch
 from torch import Tensor
 
 from lightning_rl.maths.advantages import (
-    adaptive_kl_coef,
     explained_variance,
     gae_advantages,
     group_advantages,
-    kl_penalty,
     masked_moments,
     moments_mean_var,
     reinforce_baseline_centered,
@@ -31,6 +29,7 @@ from lightning_rl.maths.advantages import (
     token_rewards,
     whiten,
 )
+from lightning_rl.maths.penalties import adaptive_kl_coef, kl_penalty
 from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.filters import group_size
 from lightning_rl.step.rollout import Rollout

@@ -10,6 +10,7 @@ weights every rank runs as many micro-batches (empty ones join the gradient redu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import torch
 from torch import Tensor
 
 from lightning_rl.maths.aggregation import aggregate, masked_mean, normalizer_counts
+from lightning_rl.maths.losses import value_loss
 from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.rollout import Rollout
 
@@ -157,3 +159,16 @@ def policy_loss(policy: Any, micro: Rollout, objective: Any, entropy_coef: float
     metrics["policy/entropy"] = masked_mean(entropy.detach(), micro.loss_mask.bool())
     metrics["policy/loss"] = loss
     return loss, metrics
+
+
+def critic_loss(critic: Any, micro: Rollout, vf_coef: float, value_clip: float | None,
+                num_tokens: Tensor) -> tuple[Tensor, dict[str, Any]]:
+    """``vf_coef`` x the clipped value loss of a micro-batch (PPO's critic), normalised by the minibatch's
+    global token count; ``value_clip`` ``None``: unclipped."""
+    values = critic.values(micro.prompt_ids, micro.prompt_mask, micro.completion_ids, micro.attention_mask)
+    clip = value_clip if value_clip is not None else math.inf
+    vf_loss, value_metrics = value_loss(values, micro.values, micro.returns, micro.loss_mask, clip,
+                                        num_tokens=num_tokens)
+    metrics = {"critic/vf_loss": vf_loss, "critic/vf_clip_frac": value_metrics["value/clip_frac"],
+               "critic/value_pred_mean": value_metrics["value/mean"]}
+    return vf_coef * vf_loss, metrics

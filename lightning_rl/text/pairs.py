@@ -1,7 +1,7 @@
 """Preference pairs as tokens: rendering (plain text or chat template), tokenisation and padding.
 
 Shared by DPO (:class:`~lightning_rl.algorithms.dpo.DPO`), the reward model
-(:mod:`lightning_rl.models.reward_model`) and the preference data (``lightning_rl.data.preference``, which
+(:mod:`lightning_rl.models.reward_network`) and the preference data (``lightning_rl.data.preference``, which
 re-exports these names). Pure tokenizer and torch code: no model, no data loading.
 """
 

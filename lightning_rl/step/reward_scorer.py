@@ -1,0 +1,180 @@
+"""The weighted sum of several reward functions (:class:`RewardScorer`), with errors that name the function
+and the sample: a function that raises or returns NaN stops the run (``on_error: raise``) or scores 0 and is
+counted (``on_error: zero``), up to ``max_error_frac`` of the samples."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_rl.step.rewards import RewardFn, import_reward
+
+
+class RewardError(RuntimeError):
+    """A reward function raised, returned the wrong number of values, or returned NaN."""
+
+
+@dataclass(frozen=True)
+class RewardFailure:
+    """One sample a reward function failed on (``on_error: zero``), with the original error text."""
+
+    sample: int  # index in the scored batch
+    prompt: str
+    completion: str
+    error: str  # e.g. "raised KeyError: 'answer' (...)" or "returned nan"
+
+    def __str__(self) -> str:
+        quoted = f"prompt {self.prompt[:80]!r}, completion {self.completion[:80]!r}"
+        return f"sample {self.sample} ({quoted}): {self.error}"
+
+
+@dataclass(frozen=True)
+class FunctionErrors:
+    """How often one reward function failed in a scored batch, and its last failure."""
+
+    fn: str  # import path, as in ``model.rewards.functions``
+    count: int  # samples it failed on
+    total: int  # samples scored
+    last: RewardFailure
+
+    def __str__(self) -> str:
+        return f"reward function `{self.fn}` failed on {self.count} of {self.total} samples: {self.last}"
+
+
+@dataclass(frozen=True)
+class RewardScores:
+    """The rewards of one batch, and which samples failed and why (``on_error: zero``).
+
+    ``totals[i]`` is the weighted sum over functions, 0.0 where any function failed on sample ``i``;
+    ``failed`` holds those samples; ``errors`` one entry per function that failed, in ``fns`` order;
+    ``seconds`` each function's wall time on the batch and ``values`` its values (0.0 where it failed), in
+    ``fns`` order.
+    """
+
+    totals: list[float]
+    failed: frozenset[int]
+    errors: list[FunctionErrors]
+    seconds: tuple[float, ...] = ()
+    values: tuple[list[float], ...] = ()
+
+
+class RewardScorer:
+    """Weighted sum of several reward functions, with errors that name the function and the sample.
+
+    Args:
+        fns: import paths ``package.module:function``.
+        weights: one weight per function (default 1.0 each).
+        on_error: ``raise`` stops the run on the first bad reward; ``zero`` scores it 0 and counts it.
+        max_error_frac: under ``zero``, the largest fraction of failed samples that ``check_failures``
+            lets through (1.0: any).
+    """
+
+    def __init__(
+        self,
+        fns: Sequence[str],
+        weights: Sequence[float] | None = None,
+        on_error: str = "raise",
+        max_error_frac: float = 1.0,
+    ) -> None:
+        if not fns:
+            raise ValueError("`model.rewards.functions` is empty: name at least one reward function")
+        if weights is not None and len(weights) != len(fns):
+            raise ValueError(
+                f"`model.rewards.weights` has {len(weights)} values for {len(fns)} `model.rewards.functions`"
+            )
+        if on_error not in ("raise", "zero"):
+            raise ValueError(f"`model.rewards.on_error` must be 'raise' or 'zero', got {on_error!r}")
+        if not 0.0 <= max_error_frac <= 1.0:
+            raise ValueError(f"`model.rewards.max_error_frac` must be in [0, 1], got {max_error_frac}")
+        self.names = list(fns)
+        self.fns = [import_reward(f) for f in fns]
+        self.weights = list(weights) if weights is not None else [1.0] * len(fns)
+        self.on_error, self.max_error_frac = on_error, max_error_frac
+
+    @property
+    def limits_failures(self) -> bool:
+        """Whether ``check_failures`` can raise: failures are counted (``zero``) and not all let through."""
+        return self.on_error == "zero" and self.max_error_frac < 1.0
+
+    def check_failures(self, scores: RewardScores, failed: float, total: float, where: str = "") -> None:
+        """Raise ``RewardError`` when ``failed / total`` exceeds ``max_error_frac``.
+
+        Args:
+            scores: the local batch's scores, whose errors (function, sample, original error) are quoted.
+            failed, total: failed and scored samples, possibly summed over ranks.
+            where: names the process whose errors are quoted (e.g. ``rank 1``), if there are several.
+        """
+        if not self.limits_failures or not total or failed / total <= self.max_error_frac:
+            return
+        here = "; ".join(str(e) for e in scores.errors) or "no reward failed here"
+        raise RewardError(
+            f"rewards failed on {failed:.0f} of {total:.0f} samples, more than "
+            f"`model.rewards.max_error_frac`={self.max_error_frac}. {where + ': ' if where else ''}{here}. "
+            "Fix the reward function or raise the limit (`model.rewards.on_error: raise` stops at the "
+            "first failure, with its traceback)"
+        )
+
+    def __call__(
+        self, prompts: Sequence[Any], completions: Sequence[str], **columns: Any
+    ) -> tuple[list[float], int]:
+        """Total reward per completion and the number of samples whose reward failed (``on_error: zero``)."""
+        scores = self.score(prompts, completions, **columns)
+        return scores.totals, len(scores.failed)
+
+    def score(self, prompts: Sequence[Any], completions: Sequence[str], **columns: Any) -> RewardScores:
+        """Total reward per completion; every failure (``on_error: zero``) named by function and sample."""
+        n = len(completions)
+        total = [0.0] * n
+        failed: set[int] = set()
+        errors: list[FunctionErrors] = []
+        seconds, per_fn = [], []
+        for name, fn, weight in zip(self.names, self.fns, self.weights, strict=True):
+            start = time.perf_counter()
+            values, bad = self._one(name, fn, prompts, completions, columns)
+            seconds.append(time.perf_counter() - start)
+            per_fn.append(values)
+            total = [t + weight * v for t, v in zip(total, values, strict=True)]
+            if bad:
+                i = max(bad)
+                last = RewardFailure(i, str(prompts[i]), str(completions[i]), bad[i])
+                errors.append(FunctionErrors(name, len(bad), n, last))
+                failed.update(bad)
+        totals = [0.0 if i in failed else t for i, t in enumerate(total)]
+        return RewardScores(totals, frozenset(failed), errors, tuple(seconds), tuple(per_fn))
+
+    def _one(
+        self, name: str, fn: RewardFn, prompts: Sequence[Any], completions: Sequence[str], columns: dict
+    ) -> tuple[list[float], dict[int, str]]:
+        """One function's values (0.0 where it failed) and, in ``zero`` mode, each failed sample's error."""
+        n = len(completions)
+        try:
+            values = list(fn(prompts=list(prompts), completions=list(completions), **columns))
+        except Exception as err:  # noqa: BLE001 - re-raised with the function named, or counted
+            if self.on_error == "raise":
+                raise RewardError(f"reward function `{name}` raised {type(err).__name__}: {err}") from err
+            why = f"raised {type(err).__name__}: {err} (one call for the batch: all {n} samples failed)"
+            return [0.0] * n, dict.fromkeys(range(n), why)
+        if len(values) != n:
+            raise RewardError(f"reward function `{name}` returned {len(values)} values for {n} completions")
+        out: list[float] = []
+        bad: dict[int, str] = {}
+        for i, v in enumerate(values):
+            try:
+                v = float(v)
+            except (TypeError, ValueError):
+                v = math.nan
+            if math.isfinite(v):
+                out.append(v)
+                continue
+            if self.on_error == "raise":
+                raise RewardError(
+                    f"reward function `{name}` returned {values[i]!r} for sample {i} "
+                    f"(prompt {str(prompts[i])[:80]!r}, completion {str(completions[i])[:80]!r}); "
+                    "set `model.rewards.on_error: zero` to score such samples 0 instead"
+                )
+            out.append(0.0)
+            bad[i] = f"returned {values[i]!r}"
+        return out, bad
