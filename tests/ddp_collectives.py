@@ -1,4 +1,4 @@
-"""Runs for tests/test_collectives.py: DAPO / DPO under DDP on 2 gloo ranks (or 1 process).
+"""Runs for tests/step/test_collectives.py: DAPO / DPO under DDP on 2 gloo ranks (or 1 process).
 
     python tests/ddp_collectives.py OUT MODE DEVICES [STEPS] [RESUME_CKPT]
 

@@ -3,8 +3,8 @@
     python tests/ddp_predict.py PROMPTS.jsonl OUT_DIR DEVICES
 
 Writes ``OUT_DIR/greedy.jsonl`` (one greedy completion per prompt) and ``OUT_DIR/sampled.jsonl`` (two
-samples per prompt), with their summaries. Used by tests/test_predict.py: with an odd number of prompts
-(3 + 2 over two ranks, batches of 2: the short rank runs a placeholder batch), every prompt must be
+samples per prompt), with their summaries. Used by tests/algorithms/test_predict.py: with an odd number of
+prompts (3 + 2 over two ranks, batches of 2: the short rank runs a placeholder batch), every prompt must be
 written once per sample, and the greedy file must equal the single-process one.
 """
 

@@ -1,15 +1,19 @@
-"""Shared test helpers: build tiny modules and trainers, run the real CLI in-process, read logged scalars."""
+"""Shared test helpers: build tiny modules and trainers, run the real CLI in-process, read logged scalars
+and text summaries, a chat-templated copy of the embedded model."""
 
 from __future__ import annotations
 
 import csv
 import glob
+import json
+import shutil
 from functools import partial
 from pathlib import Path
 
 import lightning as L
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from transformers import AutoTokenizer
 
 import lightning_rl.step.logprobs
 from lightning_rl.algorithms import GRPO
@@ -33,6 +37,19 @@ def scalars(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
         acc.Reload()
         for tag in acc.Tags()["scalars"]:
             out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    return out
+
+
+def texts(log_dir) -> dict[str, list[tuple[int, str]]]:
+    """Every text summary under ``log_dir``: ``{tag: [(step, markdown), ...]}`` (tags as written)."""
+    out: dict[str, list[tuple[int, str]]] = {}
+    for path in sorted(glob.glob(f"{log_dir}/**/events.out.tfevents.*", recursive=True)):
+        acc = EventAccumulator(path, size_guidance={"tensors": 0})
+        acc.Reload()
+        for tag in acc.Tags()["tensors"]:
+            name = tag.removesuffix("/text_summary")
+            out.setdefault(name, []).extend(
+                (e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(tag))
     return out
 
 
@@ -107,3 +124,29 @@ def read_csv_metrics(log_dir) -> dict[str, list[float]]:
                 if v not in ("", None) and k not in ("epoch", "step"):
                     out.setdefault(k, []).append(float(v))
     return out
+
+
+# a chat template, and a model folder whose tokenizer carries it (test_online_behaviour, test_samples)
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def templated_model(tmp_path):
+    """The embedded model with a chat template in its tokenizer folder, and a tokenizer that adds <bos> to
+    every plain encoding (as Llama's does): a template that holds BOS itself must not get a second one."""
+    from lightning_rl.models.builtin import EMBEDDED_MODEL
+
+    folder = tmp_path / "chat_model"
+    shutil.copytree(EMBEDDED_MODEL, folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    bos = [{"SpecialToken": {"id": "<bos>", "type_id": 0}}]
+    spec["post_processor"] = {
+        "type": "TemplateProcessing", "single": [*bos, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [*bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<bos>": {"id": "<bos>", "ids": [1], "tokens": ["<bos>"]}},
+    }
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return str(folder)

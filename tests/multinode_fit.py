@@ -6,7 +6,7 @@ Runs ``lightning-rl fit --config configs/grpo.yaml --config configs/strategy/ddp
 (4 prompts x 4 samples per rank, no validation or checkpoints), logging to ``OUT_DIR``. Launch it as a
 launcher would: directly (Lightning starts the local ranks), with ``NODE_RANK``/``MASTER_ADDR``/
 ``MASTER_PORT`` per node, or under ``torchrun``. Writes ``OUT_DIR/rank<global rank>.json`` (ranks, world
-size, cluster environment) and, on rank 0, ``OUT_DIR/weights.pt``. Used by tests/test_multinode.py.
+size, cluster environment) and, on rank 0, ``OUT_DIR/weights.pt``. Used by tests/cli/test_multinode.py.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ test, starts the two ranks once (``tests/ranks.py``) and runs those jobs in the 
 then reads its own job's files, and a job that failed or hung fails the tests that read it, with the log.
 
 In a step, ``{out}`` is the job's own folder. Runs that check launchers, signals or a rank failing on its
-own (tests/test_multinode.py, tests/test_signals.py) start their processes themselves.
+own (tests/cli/test_multinode.py, tests/cli/test_signals.py) start their processes themselves.
 """
 
 from __future__ import annotations
@@ -76,9 +76,9 @@ JOBS: dict[str, list[dict]] = {
     "fsdp2/engine": [run("engine_sync.py", "{out}", "fsdp2")],
     "fsdp2/lora": [run("fsdp2_fit.py", "{out}", "lora", "3", STRATEGY="fsdp2")],
     "zero3/dapo": [run("fsdp2_fit.py", "{out}", "dapo", "3", STRATEGY="zero3")],
-    # 1 node x 2 processes, what tests/test_multinode.py's two-node launches must equal
+    # 1 node x 2 processes, what tests/cli/test_multinode.py's two-node launches must equal
     "ddp/multinode-reference": [run("multinode_fit.py", "{out}", "--trainer.devices", "2")],
-    # the uninterrupted runs that tests/test_signals.py compares its interrupted-and-resumed runs with
+    # the uninterrupted runs that tests/cli/test_signals.py compares its interrupted-and-resumed runs with
     "ddp/signals-reference": [run("signals_fit.py", "{out}", "ddp", "4")],
     "fsdp2/signals-reference": [run("signals_fit.py", "{out}", "fsdp2", "4")],
     "zero3/resume": resume("zero3"),

@@ -1,14 +1,11 @@
 """The shared online RL step: one ``training_step`` = one RL iteration, composed of stages.
 
-engine.generate -> rewards -> filters -> log-prob passes (reference, behaviour) -> values (PPO's)
--> KL in the reward (optional) -> advantages (once, after filtering) -> updater -> statistics. Each stage
-is a small typed class (``lightning_rl.step.engine``, ``rewards``, ``filters``, ``logprobs``, ``estimators``,
-``update``) chosen in YAML; none reaches into this module or the DataModule, and every one returns its
-numbers, which this module logs. Callbacks only observe (``RLCallback``).
-
-Scoring: top-k / top-p belong to sampling only. Current, behaviour and reference log-probs are scored on
-the tempered, unfiltered distribution, so they share one support; a token whose behaviour or reference
-log-prob is still not finite leaves the loss (``loss_mask``), not the context (``attention_mask``).
+The sampler (``episodes.sampler``: engine, episodes, rewards) -> filters -> the learner's stages
+(``step.learner``: log-prob passes, correction, PPO's values, the KL in the reward, advantages) -> the
+updater -> statistics. Each stage is built from its option group (``algorithms.assembly``), returns a new
+rollout and its numbers, which this module logs; none reaches into this module or the DataModule, and
+callbacks only observe (``RLCallback``). Current, behaviour and reference log-probs are scored on the
+tempered, unfiltered distribution (top-k / top-p belong to sampling only), so they share one support.
 """
 
 from __future__ import annotations

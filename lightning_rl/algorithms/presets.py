@@ -16,15 +16,19 @@ from lightning_rl.algorithms.options import ObjectiveOptions, PolicyOptions
 
 
 def preset_defaults(cls: type) -> dict[str, Any]:
-    """Each constructor key of ``cls`` and its default, the nearest class in the MRO deciding (what
-    LightningCLI shows for a preset that re-declares only the groups it changes)."""
+    """Each constructor key of ``cls`` and its default, the nearest class in the MRO deciding, following
+    ``**kwargs`` up to the first ``__init__`` without them (what LightningCLI shows for a preset that
+    re-declares only the groups it changes)."""
     defaults: dict[str, Any] = {}
     for klass in cls.__mro__:
         if "__init__" not in vars(klass):
             continue
-        for name, param in inspect.signature(vars(klass)["__init__"]).parameters.items():
-            if param.default is not inspect.Parameter.empty and name not in defaults:
-                defaults[name] = param.default
+        params = inspect.signature(vars(klass)["__init__"]).parameters.values()
+        for param in params:
+            if param.default is not inspect.Parameter.empty and param.name not in defaults:
+                defaults[param.name] = param.default
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            break
     return defaults
 
 

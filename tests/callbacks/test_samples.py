@@ -6,27 +6,13 @@ import glob
 
 import pytest
 import torch
-from helpers import CONFIGS, datamodule, make, make_trainer, run_cli
+from helpers import CONFIGS, datamodule, make, make_trainer, run_cli, templated_model, texts
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_rl.callbacks import LogSamples
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.callbacks.samples import escape_cell, markdown_table, spread_rows
 from lightning_rl.step.rollout import Rollout
-
-
-def texts(log_dir) -> dict[str, list[tuple[int, str]]]:
-    """Every text summary under ``log_dir``: ``{tag: [(step, markdown), ...]}`` (tags as written)."""
-    out: dict[str, list[tuple[int, str]]] = {}
-    for path in sorted(glob.glob(f"{log_dir}/**/events.out.tfevents.*", recursive=True)):
-        acc = EventAccumulator(path, size_guidance={"tensors": 0})
-        acc.Reload()
-        for tag in acc.Tags()["tensors"]:
-            name = tag.removesuffix("/text_summary")
-            out.setdefault(name, []).extend(
-                (e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(tag))
-    return out
 
 
 # ---- the table itself ------------------------------------------------------------------------------------
@@ -162,8 +148,6 @@ def test_train_and_val_tables_show_a_prompt_alike(tmp_path):
     """Both tables show a chat prompt as the model saw it: rendered through the template (the validation
     table once showed the raw messages, ``[{'role': 'system', ...}]``)."""
     import json
-
-    from test_online_behaviour import templated_model
 
     from lightning_rl.data import PromptDataModule
 

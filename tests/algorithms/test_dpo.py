@@ -18,7 +18,7 @@ from lightning_rl.cli.main import main
 from lightning_rl.data.preference import BUILTIN_TRAIN, BUILTIN_VAL
 from lightning_rl.models.builtin import EMBEDDED_MODEL
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "dpo.yaml")
 # Different prompt and completion lengths, so left and right padding both matter.
 PAIRS = [

@@ -27,7 +27,7 @@ from lightning_rl.models.model_utils import eval_mode
 
 peft = pytest.importorskip("peft")
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA = {"class_path": "peft.LoraConfig",
         "init_args": {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ALL_LINEAR}}

@@ -248,8 +248,7 @@ def test_tool_config_trains_predicts_and_shows_turns_through_the_cli(tmp_path):
     and tool results apart), then `predict` writes every turn of every episode to the JSONL."""
     import json
 
-    from helpers import CONFIGS, run_cli
-    from test_samples import texts
+    from helpers import CONFIGS, run_cli, texts
 
     quiet = ["--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path)]
     run_cli("fit", "--config", CONFIGS / "grpo_tools.yaml", "--trainer.max_steps", "2",

@@ -103,7 +103,8 @@ def interrupted(tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
     """One GSPO run per signal through `lightning-rl fit` (subprocesses started at once: each spends
     seconds starting up), the signal sent at step 2; ``{name: (run folder, exit status, stderr)}``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LRL_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), str(ROOT / "tests"),
+                                          os.environ.get("PYTHONPATH", "")])}
     procs = {}
     for name, signum in SIGNALS.items():
         folder = tmp_path_factory.mktemp(name)

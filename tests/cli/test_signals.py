@@ -24,7 +24,7 @@ from rank_jobs import kill, start_ranks
 
 pytestmark = pytest.mark.distributed
 
-SCRIPT = Path(__file__).with_name("signals_fit.py")
+SCRIPT = Path(__file__).resolve().parents[1] / "signals_fit.py"
 
 
 def run(out: Path, strategy: str, steps: int, *overrides: str, signal_spec: str | None = None,

@@ -25,7 +25,7 @@ from lightning_rl.models.builtin import EMBEDDED_MODEL
 
 pytestmark = pytest.mark.distributed
 
-SCRIPT = Path(__file__).with_name("multinode_fit.py")
+SCRIPT = Path(__file__).resolve().parents[1] / "multinode_fit.py"
 TIMEOUT = 240
 COMPARED = ["rollout/reward_mean", "rollout/response_length_mean", "policy/loss", "policy/grad_norm",
             "policy/kl_ref", "policy/entropy", "policy/clip_frac"]

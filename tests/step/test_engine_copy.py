@@ -17,7 +17,7 @@ from lightning_rl.step.correction import RolloutCorrection
 from lightning_rl.step.engine import CopyEngine
 from lightning_rl.step.rollout import Rollout
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
 
 
 class Record(RLCallback):

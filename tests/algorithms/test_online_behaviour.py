@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 from functools import partial
 
 import lightning as L
 import pytest
 import torch
-from helpers import datamodule, make, make_trainer, read_csv_metrics, spy_policy_scoring
+from helpers import datamodule, make, make_trainer, read_csv_metrics, spy_policy_scoring, templated_model
 from lightning.pytorch.loggers import CSVLogger
-from transformers import AutoTokenizer
 
 from lightning_rl.algorithms import DAPO, GRPO
 from lightning_rl.callbacks.base import RLCallback
@@ -208,31 +206,6 @@ def test_scale_advantages_inside_the_module(tmp_path, scale):
 
 
 # -------------------------------------------------------------------------------- d. chat templates
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
-
-
-def templated_model(tmp_path):
-    """The embedded model with a chat template in its tokenizer folder, and a tokenizer that adds <bos> to
-    every plain encoding (as Llama's does): a template that holds BOS itself must not get a second one."""
-    from lightning_rl.models.builtin import EMBEDDED_MODEL
-
-    folder = tmp_path / "chat_model"
-    shutil.copytree(EMBEDDED_MODEL, folder)
-    spec = json.loads((folder / "tokenizer.json").read_text())
-    bos = [{"SpecialToken": {"id": "<bos>", "type_id": 0}}]
-    spec["post_processor"] = {
-        "type": "TemplateProcessing", "single": [*bos, {"Sequence": {"id": "A", "type_id": 0}}],
-        "pair": [*bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-        "special_tokens": {"<bos>": {"id": "<bos>", "ids": [1], "tokens": ["<bos>"]}},
-    }
-    (folder / "tokenizer.json").write_text(json.dumps(spec))
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.chat_template = TEMPLATE
-    tokenizer.save_pretrained(folder)
-    return str(folder)
-
-
 def test_chat_template_renders_strings_and_messages(tmp_path):
     module = make(policy={"model": templated_model(tmp_path), "chat_template": True,
                           "max_prompt_length": 40})

@@ -25,7 +25,7 @@ from lightning_rl.maths.advantages import (
 from lightning_rl.maths.penalties import adaptive_kl_coef
 from lightning_rl.step.estimators import GAE
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

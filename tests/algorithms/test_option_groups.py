@@ -1,0 +1,53 @@
+"""The option groups: a dozen constructor keys, presets as default groups, checks where a group is built."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lightning_rl.algorithms import DAPO, GRPO, GSPO, PPO, RLOO, SAPO, OnlineRL
+from lightning_rl.algorithms.options import FilterOptions, ObjectiveOptions, SamplingOptions, UpdateOptions
+from lightning_rl.algorithms.presets import preset_defaults, with_changes
+
+ONLINE_KEYS = ["policy", "sampling", "rewards", "episodes", "objective", "advantage", "filters", "logprobs",
+               "update", "engine", "optimizer", "lr_scheduler"]
+
+
+@pytest.mark.parametrize("cls", [OnlineRL, GRPO, DAPO, GSPO, SAPO, RLOO])
+def test_the_online_family_takes_twelve_keys(cls):
+    assert sorted(preset_defaults(cls)) == sorted(ONLINE_KEYS)
+
+
+def test_ppo_adds_only_its_critic_group():
+    assert sorted(preset_defaults(PPO)) == sorted([*ONLINE_KEYS, "critic"])
+
+
+def test_presets_differ_from_the_base_only_in_the_groups_they_declare():
+    base = preset_defaults(OnlineRL)
+    changed = {name: [k for k, v in preset_defaults(cls).items() if v != base[k]]
+               for name, cls in {"GRPO": GRPO, "DAPO": DAPO, "GSPO": GSPO, "SAPO": SAPO}.items()}
+    assert changed == {"GRPO": ["objective"], "DAPO": ["objective", "filters", "rewards"],
+                       "GSPO": ["objective"], "SAPO": ["objective"]}
+    assert preset_defaults(GRPO)["objective"].kl_coef == 0.04
+    dapo = preset_defaults(DAPO)
+    assert (dapo["objective"].clip_high, dapo["objective"].aggregation) == (0.28, "token-mean")
+    assert dapo["filters"].dynamic_sampling and dapo["rewards"].overlong_buffer == "auto"
+
+
+def test_a_mapping_changes_fields_of_the_presets_group_and_keeps_the_rest():
+    args = with_changes(DAPO, {"objective": {"kl_coef": 0.01}, "sampling": SamplingOptions(top_k=5)})
+    assert args["objective"] == dataclasses.replace(preset_defaults(DAPO)["objective"], kl_coef=0.01)
+    assert args["sampling"] == SamplingOptions(top_k=5)  # a whole group replaces the preset's
+
+
+@pytest.mark.parametrize(("build", "key"), [
+    (lambda: SamplingOptions(temperature=0.0), "model.sampling.temperature"),
+    (lambda: SamplingOptions(top_p=1.5), "model.sampling.top_p"),
+    (lambda: UpdateOptions(epochs=0), "model.update.epochs"),
+    (lambda: FilterOptions(max_gen_batches=0), "model.filters.max_gen_batches"),
+    (lambda: ObjectiveOptions(kl_target=0.1), "model.objective.kl_target"),
+])
+def test_a_group_refuses_a_bad_field_naming_its_key(build, key):
+    with pytest.raises(ValueError, match=f"`{key}`"):
+        build()
