@@ -7,6 +7,7 @@ adds an option to a group builds it here, next to the other stages of that group
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -49,10 +50,8 @@ def update_stage(o: UpdateOptions) -> Updater:
 def objective_stages(o: ObjectiveOptions) -> tuple[Objective, KLInReward | None]:
     """The loss (its KL term off when the KL is in the reward) and the KL-in-reward penalty (``None`` unless
     ``kl_in_reward`` with ``kl_coef`` > 0)."""
-    objective = Objective(
-        ratio_level=o.ratio_level, trust_region=o.trust_region, clip_low=o.clip_low, clip_high=o.clip_high,
-        clip_ratio_c=o.clip_ratio_c, tau_pos=o.tau_pos, tau_neg=o.tau_neg, aggregation=o.aggregation,
-        kl_coef=0.0 if o.kl_in_reward else o.kl_coef, kl_estimator=o.kl_estimator, kl_clamp=o.kl_clamp)
+    axes = {f.name: getattr(o, f.name) for f in dataclasses.fields(Objective)}  # the group holds each axis
+    objective = Objective(**{**axes, "kl_coef": 0.0 if o.kl_in_reward else o.kl_coef})
     in_reward = o.kl_in_reward and o.kl_coef > 0
     return objective, KLInReward(o.kl_coef, o.kl_estimator, o.kl_target, o.kl_horizon) if in_reward else None
 

@@ -9,6 +9,7 @@ import pytest
 from lightning_rl.algorithms import DAPO, GRPO, GSPO, PPO, RLOO, SAPO, OnlineRL
 from lightning_rl.algorithms.options import FilterOptions, ObjectiveOptions, SamplingOptions, UpdateOptions
 from lightning_rl.algorithms.presets import preset_defaults, with_changes
+from lightning_rl.maths.objective import Objective
 
 ONLINE_KEYS = ["policy", "sampling", "rewards", "episodes", "objective", "advantage", "filters", "logprobs",
                "update", "engine", "optimizer", "lr_scheduler"]
@@ -51,3 +52,11 @@ def test_a_mapping_changes_fields_of_the_presets_group_and_keeps_the_rest():
 def test_a_group_refuses_a_bad_field_naming_its_key(build, key):
     with pytest.raises(ValueError, match=f"`{key}`"):
         build()
+
+
+def test_the_objective_group_holds_every_axis_of_the_objective_with_its_default():
+    """The group is built into ``Objective`` field by field: a new axis, or a default changed on one side
+    only, shows here."""
+    group = {f.name: f.default for f in dataclasses.fields(ObjectiveOptions)}
+    axes = {f.name: f.default for f in dataclasses.fields(Objective)}
+    assert {name: group.get(name, "missing") for name in axes} == axes
