@@ -150,3 +150,13 @@ def templated_model(tmp_path):
     tokenizer.chat_template = TEMPLATE
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+def sample_round(module, batch, collectives=None, decide=True):
+    """The sampler's first round of a step on ``batch`` (G samples per prompt row, scored), seeded as the
+    step seeds it; ``decide``: whether the reward-failure limit is checked (refill rounds: no)."""
+    from lightning_rl.episodes.source import round_seed
+
+    seed = round_seed(module.rollouts.seed, module.trainer.fit_loop.total_batch_idx, 0, module.global_rank)
+    return module.sampler(batch, module.policy_io(), seed=seed, collectives=collectives, decide=decide,
+                          device=module.device)

@@ -20,6 +20,8 @@ from lightning_rl.algorithms.input_checks import InputError, check_scoring_colum
 from lightning_rl.algorithms.options import PolicyOptions, ValidationOptions
 from lightning_rl.algorithms.presets import BASE_MOVED_KEYS
 from lightning_rl.algorithms.trained import TrainedModule
+from lightning_rl.episodes.runner import EpisodeRunner
+from lightning_rl.episodes.sampler import PolicyIO, run_episodes
 from lightning_rl.models.adapters import (
     allow_missing_frozen,
     drop_frozen_weights,
@@ -34,6 +36,7 @@ from lightning_rl.models.sharding import (
     needs_synced_generation,
     validate_fsdp_args,
 )
+from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.engine import HFEngine, RolloutEngine
 from lightning_rl.step.rewards import import_reward
 from lightning_rl.text.prompts import render_prompts
@@ -79,6 +82,7 @@ class PolicyModule(EvaluationSteps, TrainedModule):
         # what decides val/accuracy
         self.accuracy_name = validation.accuracy_fn or "lightning_rl.step.rewards:exact_match"
         self.accuracy_fn = import_reward(self.accuracy_name)
+        self.correctness_fn = self.accuracy_fn  # RL modules: the rollouts' correctness, if set apart
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
         self.fsdp_cpu_offload = policy.fsdp_cpu_offload
         self.fsdp_param_dtype, self.fsdp_reduce_dtype = policy.fsdp_param_dtype, policy.fsdp_reduce_dtype
@@ -150,6 +154,7 @@ class PolicyModule(EvaluationSteps, TrainedModule):
         return [not self.chat_template and isinstance(p, str) for p in prompts]
 
     prompt_tools: list[dict] | None = None  # tool schemas rendered into prompts by the chat template
+    episodes: EpisodeRunner | None = None  # multi-turn episodes (RL modules with an environment or tools)
 
     def encode_prompts(self, prompts: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         texts = render_prompts(self.tokenizer, prompts, self.chat_template, tools=self.prompt_tools)
@@ -198,11 +203,20 @@ class PolicyModule(EvaluationSteps, TrainedModule):
         done = self.complete({"prompt": list(prompts)}, sampling=self.sampling_params(do_sample=False))
         return done.texts, done.lengths
 
+    def policy_io(self) -> PolicyIO:
+        """How samplers and episodes reach the policy: through the engine attached now."""
+        engine = self.attach_engine()
+        synced = bool(getattr(engine, "synced", False))
+        return PolicyIO(self.encode_prompts, engine.generate, self.decode, synced)
+
     def complete(self, batch: dict[str, list], *, num_samples: int = 1, sampling: SamplingParams,
                  seed: int | None = None) -> Completions:
         """``num_samples`` completions of each prompt row of ``batch`` (validation and predict): the engine's
-        texts here; whole episodes in modules with an environment or tools (``OnlineRL``)."""
+        texts, or whole episodes when the module has an environment or tools (``episodes``)."""
+        if self.episodes is not None:
+            done = run_episodes(self.episodes, batch, self.policy_io(), num_samples=num_samples,
+                                sampling=sampling, seed=seed, collectives=Collectives(self._trainer))
+            lengths = done.generation.lengths.tolist()
+            return Completions(done.texts, lengths, done.turns, done.returns.tolist())
         gen = self.generate(batch["prompt"], num_samples=num_samples, sampling=sampling, seed=seed)
         return Completions(self.decode(gen.completion_ids, gen.completion_mask), gen.lengths.tolist())
-
-

@@ -88,12 +88,10 @@ class DPO(ReferenceScoring, PolicyModule):
         self.configure_prefix_sharing()
 
     # ---- setup (the reference and its cache: ReferenceScoring) ---------------------------------
-    def setup(self, stage: str) -> None:
-        """``fit`` / ``validate``: build the reference now, before Lightning loads a checkpoint's trained
-        weights into the policy (``predict`` only generates: it builds no copy)."""
-        super().setup(stage)
-        if stage in ("fit", "validate"):
-            self.reference  # noqa: B018 (built by the property)
+    reference_stages = ("fit", "validate")  # built in `setup`; predict only generates: it builds no copy
+
+    def reference_policy(self) -> Any:
+        return self.reference
 
     def check_prompt_lengths(self) -> None:
         """No-op: DPO cuts long prompts on the left (and counts them) instead of refusing them."""

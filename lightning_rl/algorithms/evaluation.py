@@ -3,7 +3,8 @@
 means over the held-out rows on any world size) and writes scored predictions (``lightning-rl predict``).
 
 It reads what ``PolicyModule`` sets up: ``complete`` (the engine's completions, or whole episodes),
-``sampling_params``, ``accuracy_fn`` / ``accuracy_name``, and the LightningModule's ``log`` and ``trainer``.
+``sampling_params``, ``correctness_fn`` / ``accuracy_name``, ``reward_pipeline`` (RL modules), and the
+LightningModule's ``log`` and ``trainer``.
 """
 
 from __future__ import annotations
@@ -29,11 +30,6 @@ class Completions:
     turns: list[list[dict[str, str]]] | None = None
     returns: list[float] | None = None  # each episode's environment rewards (step + final)
 
-    def with_returns(self, rewards: Sequence[float]) -> list[float]:
-        """``rewards`` (the reward functions') plus the environment's returns, for episodes."""
-        extra = self.returns or [0.0] * len(rewards)
-        return [float(r) + e for r, e in zip(rewards, extra, strict=True)]
-
 
 class EvaluationSteps:
     """Mixin for :class:`~lightning_rl.algorithms.base.PolicyModule`: validation and predict steps, and the
@@ -41,6 +37,8 @@ class EvaluationSteps:
 
     accuracy_fn: Any
     accuracy_name: str
+    correctness_fn: Any  # what decides `val/accuracy` and predictions' `correct` (``accuracy_fn`` unless set)
+    reward_pipeline: Any = None  # RL modules: their rewards (a ``RewardPipeline``); else correctness is shown
 
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> dict[str, Any]:
         """Greedy completions of the batch's held-out prompts, scored into ``val/accuracy`` (and the
@@ -59,24 +57,25 @@ class EvaluationSteps:
                 "columns": columns, "returns": done.returns}
 
     def correct(self, prompts: Sequence[Any], completions: list[str], columns: dict[str, list]) -> list[Any]:
-        """Per-completion correctness, whose mean is ``val/accuracy``: ``accuracy_fn`` here."""
-        return self.accuracy_fn(prompts=prompts, completions=completions, **columns)
+        """Per-completion correctness, whose mean is ``val/accuracy``: ``correctness_fn``."""
+        return self.correctness_fn(prompts=prompts, completions=completions, **columns)
 
     def validation_extra(self, batch: dict[str, list], done: Completions, columns: dict[str, list],
                          weight: float) -> None:
-        """Hook for subclasses to log more validation metrics from the same greedy completions."""
+        """``val/reward_mean`` for modules with rewards (the same greedy completions' rewards)."""
+        if self.reward_pipeline is not None:
+            rewards = self.sample_rewards(batch["prompt"], done.texts, done.lengths, columns, done.returns)
+            self.log_val_mean("val/reward_mean", torch.tensor(rewards).mean(), weight)
 
-    def sample_rewards(
-        self, prompts: Sequence[Any], completions: list[str], lengths: list[int], columns: dict[str, list]
-    ) -> list[float]:
-        """The reward of each completion, for predictions and sample tables: the module's reward
-        functions (``self.rewards``, weighted, without overlong shaping: what ``val/reward_mean`` averages)
-        when it has them, else ``accuracy_fn`` as a reward (DPO, SFT)."""
-        rewards = getattr(self, "rewards", None)
-        if callable(rewards):
-            scores, _ = rewards(prompts, completions, completion_lengths=lengths, **columns)
-            return [float(s) for s in scores]
-        return [float(s) for s in self.accuracy_fn(prompts=prompts, completions=completions, **columns)]
+    def sample_rewards(self, prompts: Sequence[Any], completions: list[str], lengths: list[int],
+                       columns: dict[str, list], returns: Sequence[float] | None = None) -> list[float]:
+        """The reward of each completion, for ``val/reward_mean``, predictions and sample tables: the rewards
+        pipeline's, unshaped (functions, reward model, an episode's ``returns``) in RL modules, else
+        correctness as a reward (DPO, SFT)."""
+        if self.reward_pipeline is not None:
+            rewards, _ = self.reward_pipeline.score(prompts, completions, lengths, columns, returns=returns)
+            return rewards.tolist()
+        return [float(s) for s in self.correct(prompts, completions, columns)]
 
     # ---- predict: completions of held-out prompts, scored (``lightning-rl predict``) -------------------
     def predict_sampling(self) -> tuple[int, Any]:
@@ -112,7 +111,7 @@ class EvaluationSteps:
         columns = {k: [v for v in values for _ in range(n)] for k, values in data.items()}
         if done.turns is not None:
             columns["turns"] = done.turns
-        rewards = done.with_returns(self.sample_rewards(prompts, completions, lengths, columns))
+        rewards = self.sample_rewards(prompts, completions, lengths, columns, done.returns)
         correct = self.correct(prompts, completions, columns)
         weights = batch.get(VAL_WEIGHT_KEY) or [1.0] * len(batch["prompt"])
         index = batch.get(ROW_INDEX_KEY) or [None] * len(batch["prompt"])  # None: not from our DataModules

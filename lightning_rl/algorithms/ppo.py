@@ -60,11 +60,8 @@ class PPO(OnlineRL):
 
     def companions(self) -> dict[str, Companion]:
         options = self.critic_options
-        return {"critic": Companion(self.critic, options.optimizer, options.lr_scheduler)}
-
-    def before_advantages(self) -> list[Any]:
-        """The critic's values first (GAE reads them), then the KL-in-reward penalty."""
-        return [CriticValues(self.critic, self.updater.micro_batch_size), *super().before_advantages()]
+        values = CriticValues(self.critic, self.updater.micro_batch_size)  # before the advantages (GAE)
+        return {"critic": Companion(self.critic, options.optimizer, options.lr_scheduler, values)}
 
     @property
     def warming_up(self) -> bool:

@@ -30,11 +30,11 @@ class SFT(PolicyModule):
         super().__init__(*args, **kwargs)
         self.max_completion_length = max_completion_length
 
-    def setup(self, stage: str) -> None:
+    def on_fit_start(self) -> None:
         """Fail before training when the data has no reference answers (SFT's targets)."""
-        super().setup(stage)
+        super().on_fit_start()
         dm = getattr(self.trainer, "datamodule", None)
-        if stage != "fit" or dm is None:
+        if dm is None:
             return
         rows = getattr(dm, "train_rows", None) or []
         if getattr(dm, "answer_column", "answer") is None or (rows and "answer" not in rows[0]):

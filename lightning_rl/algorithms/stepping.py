@@ -27,7 +27,6 @@ from lightning_rl.models.sharding import (
     prompt_sharing,
     shard_policy_model,
     start_deepspeed_micro_batch,
-    strategy_is,
 )
 from lightning_rl.step.metrics import StepMetrics
 from lightning_rl.step.rollout import Rollout, rollout_stats
@@ -42,21 +41,20 @@ class Companion:
         module: the model (registered on the LightningModule, so checkpointed with it); it has
             ``.model`` (the transformers module that FSDP2 shards), ``parameters()`` and ``train()``.
         optimizer, lr_scheduler: its optimiser and scheduler factories.
+        stage: what it adds to the step: a stage ``(rollout, collectives) -> (rollout, stats)`` run before
+            the advantages (PPO's critic: its values, which GAE reads), or ``None``.
     """
 
     module: Any
     optimizer: Any
     lr_scheduler: Any = None
+    stage: Any = None
 
 
 class ManualSteps:
     """Mixin for :class:`~lightning_rl.algorithms.online.OnlineRL` (see the module docstring)."""
 
     _reference: Any
-
-    def companions(self) -> dict[str, Companion]:
-        """Models trained beside the policy, by name (none here; PPO: its value model)."""
-        return {}
 
     @property
     def step_metrics(self) -> StepMetrics:
@@ -69,13 +67,7 @@ class ManualSteps:
 
         return [cb for cb in self.trainer.callbacks if isinstance(cb, RLCallback)]
 
-    # ---- setup -------------------------------------------------------------------------------------
-    def setup(self, stage: str) -> None:
-        if self.companions() and strategy_is(self.trainer.strategy, ("DeepSpeedStrategy",)):
-            raise ValueError(f"{type(self).__name__} trains two models with two optimisers and Lightning's "
-                             "DeepSpeed strategy takes one: use DDP or FSDP2 (configs/strategy/fsdp2.yaml)")
-        super().setup(stage)
-
+    # ---- setup ----------------------------------------------------------------------------------
     def deepspeed_defaults(self) -> dict[str, Any]:
         """Under DeepSpeed the engine clips (after unscaling, on its partitions): ``max_grad_norm`` goes
         there."""

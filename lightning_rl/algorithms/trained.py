@@ -57,8 +57,20 @@ class TrainedModule(L.LightningModule):
         shard_policy_model(self.policy.model, mesh, cpu_offload=self.fsdp_cpu_offload,
                            param_dtype=self.fsdp_param_dtype, reduce_dtype=self.fsdp_reduce_dtype)
 
+    reference_stages: tuple[str, ...] = ()  # trainer stages (fit, validate) that use a frozen reference
+
+    def companions(self) -> dict[str, Any]:
+        """Models trained beside the policy, by name, as ``stepping.Companion`` (PPO: its value model)."""
+        return {}
+
+    def reference_policy(self) -> Any:
+        """The frozen reference, built on first use (``None`` for modules without one)."""
+        return None
+
     def setup(self, stage: str) -> None:
-        """Under DeepSpeed, fill the engine config's keys this module decides (see ``deepspeed_defaults``).
+        """The one setup of every module: refuse DeepSpeed for modules with companions, fill the DeepSpeed
+        config's keys this module decides (``deepspeed_defaults``), and build the frozen reference of the
+        stages that use one, before Lightning loads a resumed checkpoint's trained weights.
 
         Runs before the strategy formats its config. A key the user's DeepSpeed config sets wins (a warning
         says so when it differs). Without ``train_micro_batch_size_per_gpu`` Lightning reads it from the
@@ -66,8 +78,14 @@ class TrainedModule(L.LightningModule):
         DeepSpeed's throughput logs).
         """
         strategy = self.trainer.strategy
+        deepspeed = strategy_is(strategy, ("DeepSpeedStrategy",))
+        if self.companions() and deepspeed:
+            raise ValueError(f"{type(self).__name__} trains two models with two optimisers and Lightning's "
+                             "DeepSpeed strategy takes one: use DDP or FSDP2 (configs/strategy/fsdp2.yaml)")
+        if stage in self.reference_stages:
+            self.reference_policy()
         config = getattr(strategy, "config", None)
-        if not strategy_is(strategy, ("DeepSpeedStrategy",)) or not isinstance(config, dict):
+        if not deepspeed or not isinstance(config, dict):
             return
         for key, value in self.deepspeed_defaults().items():
             if key in config and config[key] != value and key != "train_micro_batch_size_per_gpu":

@@ -144,10 +144,7 @@ class EpisodeBatch:
     def turns(self) -> list[list[dict[str, str]]]:
         return [e.messages() for e in self.episodes]
 
-    def correct(self, scored: Tensor) -> Tensor:
-        """``[N]`` bool: the environment's ``info["correct"]`` where every episode has one, else ``scored``
-        (the correctness function on the final turns)."""
-        said = [e.correct for e in self.episodes]
-        if said and all(c is not None for c in said):
-            return torch.tensor(said, dtype=torch.bool)
-        return scored
+    @property
+    def said_correct(self) -> list[bool | None]:
+        """Each episode's ``info["correct"]`` (``None`` where its environment did not say)."""
+        return [e.correct for e in self.episodes]

@@ -44,7 +44,7 @@ class Sampler:
     Args:
         num_generations: samples per prompt row (G); the samples of row ``i`` are rows ``i*G .. i*G+G-1``.
         sampling: the rollout's sampling parameters.
-        rewards: the rewards pipeline, which alone assembles the reward (the environment's returns added).
+        rewards: the rewards pipeline, which alone assembles the reward (an episode's returns included).
         episodes: the episode runner, or ``None`` for single-turn rollouts.
         mask_truncated: completions that hit the token budget leave the loss.
     """
@@ -63,18 +63,18 @@ class Sampler:
         columns = {k: [v for v in vals for _ in range(G)] for k, vals in batch_columns(batch).items()}
         episodes = None
         if self.episodes is not None:
-            episodes = self.run_episodes(batch, io, num_samples=G, sampling=self.sampling, seed=seed,
-                                         collectives=collectives)
+            episodes = run_episodes(self.episodes, batch, io, num_samples=G, sampling=self.sampling,
+                                    seed=seed, collectives=collectives)
             gen, texts, columns["turns"] = episodes.generation, episodes.texts, episodes.turns
         else:
             gen = io.generate(*io.encode(prompts), num_samples=G, sampling=self.sampling, seed=seed)
             texts = io.decode(gen.completion_ids, gen.completion_mask)
         gen_time = time.perf_counter() - start
+        returns, said = (episodes.returns, episodes.said_correct) if episodes is not None else (None, None)
         result = self.rewards([p for p in prompts for _ in range(G)], texts, gen.lengths.tolist(), columns,
-                              collectives=collectives, decide=decide)
+                              collectives=collectives, decide=decide, returns=returns, said_correct=said)
         rewards, correct, stats = result.rewards, result.correct, result.stats
         if episodes is not None:
-            rewards, correct = rewards + episodes.returns, episodes.correct(correct)
             stats = {**stats, **episodes.stats}
             gen_time -= stats["perf/env_time"]
         group_ids = torch.arange(len(prompts), device=device).repeat_interleave(G)
@@ -84,11 +84,10 @@ class Sampler:
         return rollout, {**stats, "perf/generation_time": gen_time,
                          "perf/generated_tokens": float(sampled.sum())}
 
-    def run_episodes(self, batch: dict[str, list], io: PolicyIO, *, num_samples: int,
-                     sampling: SamplingParams, seed: int | None,
-                     collectives: Collectives | None) -> EpisodeBatch:
-        """``num_samples`` episodes per prompt row of ``batch`` (rollouts, validation and predict)."""
-        assert self.episodes is not None
-        rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
-        return self.episodes(rows, num_samples=num_samples, sampling=sampling, seed=seed, encode=io.encode,
-                             generate=io.generate, collectives=collectives, synced=io.synced)
+
+def run_episodes(runner: EpisodeRunner, batch: dict[str, list], io: PolicyIO, *, num_samples: int,
+                 sampling: SamplingParams, seed: int | None, collectives: Collectives | None) -> EpisodeBatch:
+    """``num_samples`` episodes per prompt row of ``batch`` (rollouts, validation and predict)."""
+    rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+    return runner(rows, num_samples=num_samples, sampling=sampling, seed=seed, encode=io.encode,
+                  generate=io.generate, collectives=collectives, synced=io.synced)

@@ -105,9 +105,10 @@ class RewardPipeline:
             "run's speed"
         )
 
-    def score(self, prompts: Sequence[Any], texts: list[str], lengths: list[int],
-              columns: dict[str, list]) -> tuple[Any, RewardScores]:
-        """``[N]`` rewards (functions + reward model, unshaped) and the functions' scores."""
+    def score(self, prompts: Sequence[Any], texts: list[str], lengths: list[int], columns: dict[str, list],
+              returns: Sequence[float] | None = None) -> tuple[Any, RewardScores]:
+        """``[N]`` rewards (functions + reward model + an episode's ``returns``, unshaped: what validation,
+        predictions and sample tables show) and the functions' scores."""
         import torch
 
         if self.scorer is not None:
@@ -123,13 +124,20 @@ class RewardPipeline:
             model_scores = self.reward_model.score(rendered, texts, add_special_tokens=special)
             self.timed("reward model", time.perf_counter() - start)
             rewards = rewards + self.reward_model_weight * model_scores.cpu().float()
+        if returns is not None:
+            rewards = rewards + torch.as_tensor(returns, dtype=torch.float32)
         return rewards, scores
 
     def __call__(self, prompts: Sequence[Any], texts: list[str], lengths: list[int], columns: dict[str, list],
-                 *, collectives: Any = None, decide: bool = True) -> RewardResult:
+                 *, collectives: Any = None, decide: bool = True, returns: Any = None,
+                 said_correct: Sequence[bool | None] | None = None) -> RewardResult:
         """Score one batch; warnings on rank 0. ``decide``: whether too many rewards failed, on counts summed
         over ranks (every rank once per step, on its first batch; refill rounds are rank-dependent in
-        number, so they never decide, their failures are counted and warned about)."""
+        number, so they never decide, their failures are counted and warned about).
+
+        Episodes: ``returns`` (``[N]``, each episode's environment rewards) are added last;
+        ``said_correct`` (the environments' ``info["correct"]``) is the correctness when every episode has
+        one, else ``correctness_fn`` decides."""
         import torch
 
         start = time.perf_counter()
@@ -144,6 +152,22 @@ class RewardPipeline:
             max_len, buffer, factor = self.overlong
             penalty = factor * torch.tensor(overlong_reward(lengths, max_len, buffer), dtype=torch.float32)
             rewards = rewards + penalty
+        if returns is not None:
+            rewards = rewards + returns
+        correct = self.correctness(prompts, texts, columns, scores, said_correct)
+        stats = {"rollout/reward_errors": float(len(scores.failed)),
+                 "rollout/overlong_penalty_mean": float(penalty.mean()) if len(penalty) else 0.0,
+                 "perf/reward_time": time.perf_counter() - start}
+        return RewardResult(rewards, correct, scores, stats)
+
+    def correctness(self, prompts: Sequence[Any], texts: list[str], columns: dict[str, list],
+                    scores: RewardScores, said: Sequence[bool | None] | None) -> Any:
+        """``[N]`` bool: what the environments said when all did, else ``correctness_fn`` (read off the
+        scores just computed when it is a reward function at its full score)."""
+        import torch
+
+        if said and all(c is not None for c in said):
+            return torch.tensor(list(said), dtype=torch.bool)
         correctness_start = time.perf_counter()
         if isinstance(self.correctness_fn, FullScore) and self.scorer is not None \
                 and self.correctness_fn.name in self.scorer.names:  # the scores just computed, not a 2nd call
@@ -153,10 +177,7 @@ class RewardPipeline:
             correct = torch.tensor([bool(c) for c in self.correctness_fn(prompts=prompts, completions=texts,
                                                                        **columns)], dtype=torch.bool)
         self.timed(self.correctness_part, time.perf_counter() - correctness_start)
-        stats = {"rollout/reward_errors": float(len(scores.failed)),
-                 "rollout/overlong_penalty_mean": float(penalty.mean()) if len(penalty) else 0.0,
-                 "perf/reward_time": time.perf_counter() - start}
-        return RewardResult(rewards, correct, scores, stats)
+        return correct
 
     def check_failures(self, scores: RewardScores, collectives: Any) -> None:
         """Stop when failures summed over all ranks exceed ``model.rewards.max_error_frac`` (every rank

@@ -49,16 +49,16 @@ def texts(module, rows: torch.Tensor, mask: torch.Tensor) -> list[str]:
 
 
 def spy_generations(module) -> list[tuple[dict, Rollout]]:
-    """Record every (prompt batch, scored rollout) that ``module.sample`` produces (the first round and
-    every refill), before any filter."""
-    seen, original = [], module.sample
+    """Record every (prompt batch, scored rollout) that the sampler produces (the first round and every
+    refill), before any filter."""
+    seen, original = [], module.sampler
 
-    def spy(batch, collectives, decide=True):
-        rollout, stats = original(batch, collectives, decide)
+    def spy(batch, io, **kwargs):
+        rollout, stats = original(batch, io, **kwargs)
         seen.append((batch, rollout))
         return rollout, stats
 
-    module.sample = spy
+    module.rollouts.sampler = spy
     return seen
 
 

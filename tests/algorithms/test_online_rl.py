@@ -15,7 +15,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from helpers import datamodule, make, make_trainer, read_csv_metrics, spy_policy_scoring
+from helpers import datamodule, make, make_trainer, read_csv_metrics, sample_round, spy_policy_scoring
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_rl.algorithms import DAPO, GRPO, GSPO, SAPO, OnlineRL
@@ -85,7 +85,7 @@ class Capture(RLCallback):
 
 def sample(module, batch) -> Rollout:
     """The step's sampling stage on ``batch``: G samples per prompt, scored (no advantages yet)."""
-    rollout, _ = module.sample(batch, Collectives(module.trainer))
+    rollout, _ = sample_round(module, batch, Collectives(module.trainer))
     return rollout
 
 
@@ -108,7 +108,7 @@ def update(module, rollout) -> None:
 
 def behaviour_passes(module) -> LogProbPasses:
     """The step's log-prob passes as the module configures them now (``behaviour_logp`` resolved)."""
-    behaviour = resolve_behaviour(module.behaviour_logp, module.updater.updates_per_rollout, module.engine)
+    behaviour = resolve_behaviour(module.learner.behaviour, module.updater.updates_per_rollout, module.engine)
     return LogProbPasses(behaviour, module.sampling.temperature, module.updater.micro_batch_size)
 
 

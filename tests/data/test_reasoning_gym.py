@@ -12,7 +12,6 @@ import math
 import sys
 
 import pytest
-import torch
 from helpers import make, make_trainer
 
 from lightning_rl.data.reasoning_gym import (
@@ -124,7 +123,7 @@ def test_environment_runs_an_episode_scored_by_the_task(task):
     assert gen.calls == 1  # single turn: the environment ends every episode after the answer
     assert out.texts == [rows[0]["answer"]] * 2 + ["wrong"] * 2
     assert out.returns.tolist()[:2] == [1.0, 1.0] and all(r < 1.0 for r in out.returns.tolist()[2:])
-    assert out.correct(torch.zeros(4, dtype=torch.bool)).tolist() == [True, True, False, False]
+    assert out.said_correct == [True, True, False, False]
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import make, make_trainer
+from helpers import make, make_trainer, sample_round
 
 from lightning_rl.algorithms import GRPO
 from lightning_rl.callbacks.base import RLCallback
@@ -216,7 +216,7 @@ def test_grpo_step_trains_on_episodes_with_observations_out_of_the_loss(tmp_path
                   rewards={"functions": ["lightning_rl.step.rewards:exact_match"]})
     batch = {"prompt": ["50318=", "92741="], "answer": ["01358", "12479"], "needed": [2, 1]}
     module.trainer = make_trainer(tmp_path)
-    rollout, stats = module.sample(batch, None)
+    rollout, stats = sample_round(module, batch)
     assert rollout.model_mask is not None and torch.equal(rollout.loss_mask, rollout.model_mask)
     observation = rollout.attention_mask.bool() & ~rollout.model_mask.bool()
     assert observation[:2].any() and not observation[2:].any()  # only 2-turn episodes have observations
@@ -337,7 +337,7 @@ def test_engine_log_probs_land_on_the_sampled_tokens_of_every_turn(tmp_path):
                   episodes={"environment": Echo(), "max_turns": 3})
     module.trainer = make_trainer(tmp_path)
     batch = {"prompt": ["50318=", "92741="], "answer": ["01358", "12479"], "needed": [3, 2]}
-    rollout, _ = module.sample(batch, None)
+    rollout, _ = sample_round(module, batch)
     model = rollout.model_mask.bool()
     assert (rollout.attention_mask.bool() & ~model).any()
     scored = logprobs(module, rollout)

@@ -117,7 +117,7 @@ def test_gradient_with_the_correction_does_not_depend_on_micro_batch_size(tmp_pa
         rollout.old_logp = logprobs(module, rollout)
         rollout.rollout_logp = rollout.old_logp + 0.3 * torch.randn(rollout.old_logp.shape, generator=g) \
             * rollout.attention_mask
-        rollout, stats = module.correction(rollout)
+        rollout, stats = module.learner.correction(rollout)
         assert rollout.is_weights is not None and stats["rollout/is_clipped_frac"] > 0
         update(module, rollout)
         grads[micro] = torch.cat([p.grad.flatten() for p in module.policy.parameters()])

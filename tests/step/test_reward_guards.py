@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 import yaml
-from helpers import CONFIGS, datamodule, make, make_trainer, read_csv_metrics, run_cli
+from helpers import CONFIGS, datamodule, make, make_trainer, read_csv_metrics, run_cli, sample_round
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_rl.algorithms import DAPO
@@ -124,12 +124,12 @@ def test_the_stop_is_decided_on_counts_summed_over_ranks(tmp_path):
         for failed in (8.0, 7.0):  # 9 of 16 > 0.5 stops (here 1 of 8 only); 8 of 16 does not
             trainer.strategy.reduce = other_rank(failed)
             try:
-                module.sample(batch, Collectives(trainer))  # the step's first round decides
+                sample_round(module, batch, Collectives(trainer))  # the step's first round decides
                 out[failed] = None
             except RewardError as err:
                 out[failed] = str(err)
         sent_before_refill = len(sent)
-        module.sample(batch, Collectives(trainer), decide=False)  # a refill round: no collective, no stop
+        sample_round(module, batch, Collectives(trainer), decide=False)  # a refill round: no collective
         del trainer.strategy.reduce
         return out, sent, sent_before_refill
 

@@ -1,0 +1,65 @@
+"""The sampler's half of the online step: :class:`RolloutSource` turns one prompt batch into the scored,
+filtered rollout the learner trains on (the sampler's rounds, then the filters with their refills).
+
+Each round is seeded by ``(seed, step, round, rank)``, so a resumed run samples exactly what the
+uninterrupted one did. It reaches the policy only through :class:`~lightning_rl.episodes.sampler.PolicyIO`
+and the prompt stream only through a ``refill`` callable, so it never holds the LightningModule or the
+DataModule.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+
+import torch
+
+from lightning_rl.episodes.sampler import PolicyIO, Sampler
+from lightning_rl.step.collectives import Collectives
+from lightning_rl.step.filters import RolloutFilter
+from lightning_rl.step.rollout import Rollout, merge_stats
+
+Batch = dict[str, list]
+
+
+def round_seed(seed: int, step: int, round_index: int, rank: int) -> int:
+    """The sampling seed of one generation round of one step on one rank."""
+    return hash((seed, step, round_index, rank)) % 2**31
+
+
+class RolloutSource:
+    """Samples, scores and filters one prompt batch (see the module docstring).
+
+    Args:
+        sampler: the sampler (engine or episodes, then the rewards pipeline).
+        filters: the rollout filters, in order (dynamic sampling refills through ``refill``).
+        seed: the run's sampling seed (``model.sampling.seed``).
+    """
+
+    def __init__(self, sampler: Sampler, filters: Sequence[RolloutFilter], seed: int) -> None:
+        self.sampler, self.filters, self.seed = sampler, list(filters), seed
+
+    def __call__(self, batch: Batch, io: PolicyIO, *, step: int, rank: int, collectives: Collectives,
+                 refill: Callable[[], Batch] | None,
+                 device: torch.device) -> tuple[Rollout, dict[str, float]]:
+        """The rollout of ``batch`` at trainer step ``step`` and its statistics; ``refill()`` draws a fresh
+        prompt batch for the filters (``None``: the DataModule has no refill stream)."""
+        rounds = itertools.count()
+
+        def sample(prompts: Batch, decide: bool) -> tuple[Rollout, dict[str, float]]:
+            seed = round_seed(self.seed, step, next(rounds), rank)
+            return self.sampler(prompts, io, seed=seed, collectives=collectives, decide=decide, device=device)
+
+        def refill_round() -> tuple[Rollout, dict[str, float]]:
+            if refill is None:
+                raise RuntimeError("dynamic sampling needs a DataModule with `refill_batch()` "
+                                   "(PromptDataModule)")
+            rollout, stats = sample(refill(), decide=False)  # the reward-failure limit: first round only
+            return rollout, {k: v for k, v in stats.items()  # means: the first round's stand for the step
+                             if not (k.endswith("_mean") or k == "rollout/env_time")}
+
+        rollout, stats = sample(batch, decide=True)
+        for rollout_filter in self.filters:
+            rollout, extra = rollout_filter(rollout, refill_round, collectives)
+            stats = merge_stats(stats, extra)
+        return rollout, stats
