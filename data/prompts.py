@@ -251,9 +251,18 @@ class PromptDataModule(RowsDataModule):
         Its position is checkpointed like the main stream's, so refills replay exactly on resume.
         """
         if self._refill is None:
-            self._refill = iter(self.stream(self.seed + 7919, self.refills_consumed))
+            self._refill = self.refill_batches(self.refills_consumed)
         self.refills_consumed += 1
         return next(self._refill)
+
+    def train_batches(self, start: int) -> Iterator[dict[str, list]]:
+        """This rank's training batches from batch index ``start`` on, as the train loader yields them
+        (for a sampler that runs ahead of the training steps)."""
+        return iter(self.stream(self.seed, start))
+
+    def refill_batches(self, start: int) -> Iterator[dict[str, list]]:
+        """This rank's refill batches (dynamic sampling) from refill ``start`` on."""
+        return iter(self.stream(self.seed + 7919, start))
 
     def state_dict(self) -> dict[str, Any]:
         """The main stream's position and the refill stream's, for every rank.

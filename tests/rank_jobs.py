@@ -67,6 +67,8 @@ JOBS: dict[str, list[dict]] = {
     "ddp/episodes": [run("episodes_fit.py", "{out}", "ddp")],
     "ddp/engine": [run("engine_sync.py", "{out}", "ddp")],
     "ddp/lora": [run("fsdp2_fit.py", "{out}", "lora", "3", STRATEGY="ddp")],
+    "ddp/async": [run("async_fit.py", "{out}", "ddp")],
+    "fsdp2/async": [run("async_fit.py", "{out}", "fsdp2")],
     "fsdp2/grpo": [run("fsdp2_fit.py", "{out}")],
     "fsdp2/dapo": [run("fsdp2_fit.py", "{out}", "dapo", "3")],
     "fsdp2/dapo-kl": [run("fsdp2_fit.py", "{out}", "dapo_kl", "4")],

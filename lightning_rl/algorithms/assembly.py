@@ -17,12 +17,17 @@ from lightning_rl.algorithms.options import (
     FilterOptions,
     ObjectiveOptions,
     RewardOptions,
+    SamplingOptions,
     UpdateOptions,
 )
+from lightning_rl.episodes.async_source import AsyncRollouts
 from lightning_rl.episodes.runner import EpisodeRunner, episode_runner
+from lightning_rl.episodes.sampler import Sampler
+from lightning_rl.episodes.source import RolloutSource
 from lightning_rl.episodes.tool_formats import HermesFormat
 from lightning_rl.maths.objective import Objective
 from lightning_rl.models.reward_model import RewardModelScorer
+from lightning_rl.step.engine import RolloutEngine
 from lightning_rl.step.estimators import AdvantageEstimator, GroupNormalized, KLInReward
 from lightning_rl.step.filters import DynamicSampling, RolloutFilter
 from lightning_rl.step.reward_pipeline import RewardPipeline, overlong_shaping
@@ -59,6 +64,18 @@ def objective_stages(o: ObjectiveOptions) -> tuple[Objective, KLInReward | None]
 def filter_stages(o: FilterOptions) -> list[RolloutFilter]:
     """Dynamic sampling (when on), then the extra filters, in the order they run."""
     return ([DynamicSampling(o.max_gen_batches)] if o.dynamic_sampling else []) + list(o.extra)
+
+
+def rollout_source(sampler: Sampler, filters: FilterOptions, sampling: SamplingOptions,
+                   engine: RolloutEngine) -> RolloutSource | AsyncRollouts:
+    """The sampler's half of the step: in the step (``max_staleness`` 0), or in a worker running ahead."""
+    source = RolloutSource(sampler, filter_stages(filters), sampling.seed)
+    if not sampling.max_staleness:
+        return source
+    if not hasattr(engine, "sample_ahead"):
+        raise ValueError(f"`model.sampling.max_staleness` >= 1 samples with an older copy of the weights: "
+                         f"{type(engine).__name__} cannot (use HFEngine or CopyEngine)")
+    return AsyncRollouts(source, sampling.max_staleness, sampling.worker_threads)
 
 
 def episode_stage(o: EpisodeOptions, *, tokenizer: Any, chat: bool, max_new_tokens: int,

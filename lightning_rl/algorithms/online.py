@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from lightning_rl.algorithms import assembly
+from lightning_rl.algorithms import ahead, assembly
 from lightning_rl.algorithms.base import PolicyModule
 from lightning_rl.algorithms.options import (
     EpisodeOptions,
@@ -33,7 +33,6 @@ from lightning_rl.algorithms.options import (
 from lightning_rl.algorithms.presets import ONLINE_MOVED_KEYS
 from lightning_rl.algorithms.stepping import ManualSteps
 from lightning_rl.episodes.sampler import Sampler
-from lightning_rl.episodes.source import RolloutSource
 from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.correction import RolloutCorrection
 from lightning_rl.step.engine import RolloutEngine
@@ -96,6 +95,8 @@ class OnlineRL(ManualSteps, PolicyModule):
         self.reward_pipeline, self.correctness_fn = stages.pipeline, stages.correctness_fn
         self.accuracy_fn, self.accuracy_name = stages.accuracy_fn, stages.accuracy_name
         updater = assembly.update_stage(update)
+        if sampling.max_staleness:  # the worker's weights are k steps old: its log-probs are the behaviour's
+            self.engine.sample_ahead()
         resolve_behaviour(logprobs.behaviour, updater.updates_per_rollout, self.engine)  # fails early
         self.learner = Learner(  # the KL in the reward needs the policy's own log-probs of the rollout
             "recompute" if self.kl_reward is not None else logprobs.behaviour, sampling.temperature,
@@ -103,7 +104,7 @@ class OnlineRL(ManualSteps, PolicyModule):
             [self.kl_reward] if self.kl_reward is not None else [], self.advantage, updater, sampling.seed)
         self.sampler = Sampler(self.num_generations, self.sampling, self.reward_pipeline, self.episodes,
                                filters.mask_truncated)
-        self.rollouts = RolloutSource(self.sampler, assembly.filter_stages(filters), sampling.seed)
+        self.rollouts = assembly.rollout_source(self.sampler, filters, sampling, self.engine)
         self.needs_reference = self.objective.needs_reference or self.kl_reward is not None
         self.reference_stages = ("fit",) if self.needs_reference else ()  # validate / predict hold no copy
         self.__dict__["_reference"] = None
@@ -126,8 +127,10 @@ class OnlineRL(ManualSteps, PolicyModule):
     # ---- the step ---------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
         start, collectives = time.perf_counter(), Collectives(self.trainer)
+        step = self.trainer.fit_loop.total_batch_idx
         self.attach_engine().sync_weights(self.policy)  # after the optimiser steps of the previous step
-        sync_time, step = time.perf_counter() - start, self.trainer.fit_loop.total_batch_idx
+        self.rollouts.publish(step, ahead.trained_params(self.policy))  # a worker sampling ahead: version
+        sync_time = time.perf_counter() - start
         rollout, stats = self.rollouts(batch, self.policy_io(), step=step, rank=self.global_rank,
                                        collectives=collectives, device=self.device,
                                        refill=getattr(self.trainer.datamodule, "refill_batch", None))
@@ -147,6 +150,14 @@ class OnlineRL(ManualSteps, PolicyModule):
             "perf/tokens_per_sec": stats["perf/generated_tokens"] / step_time})
         self.reward_pipeline.warn_if_slow(stats.get("perf/reward_time", 0.0), step_time)  # once per run
         self.end_step(stats)
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.rollouts.max_staleness:
+            ahead.start_worker(self)
+
+    def teardown(self, stage: str) -> None:
+        self.rollouts.close()  # a worker sampling ahead stops with the run, however it ends
 
     def trained_models(self) -> list[TrainedModel]:
         """What the updater trains: the policy (and the companions, for presets that have them)."""

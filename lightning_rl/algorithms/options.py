@@ -108,6 +108,11 @@ class SamplingOptions:
         share_prompt_prefix: run each distinct prompt once in sampling and scoring (same numbers; off under
             FSDP2 / ZeRO-3, and for scoring under gradient checkpointing).
         seed: sampling is seeded by (this, step, round, rank): a resumed run samples the same.
+        max_staleness: ``k``: how many weight versions the sampler may run ahead of the learner. 0: the step
+            samples, then learns (synchronous). ``k >= 1``: a worker process samples the rollouts of the next
+            steps while the learner trains, step ``t``'s rollout from the weights of step ``max(start, t-k)``
+            (a fixed lag: runs are reproducible, and no rollout is older than ``k``; none is discarded).
+        worker_threads: torch threads of the sampler's worker (``max_staleness >= 1``).
     """
 
     num_generations: int = 8
@@ -117,8 +122,12 @@ class SamplingOptions:
     top_k: int = 0
     share_prompt_prefix: bool = True
     seed: int = 0
+    max_staleness: int = 0
+    worker_threads: int = 1
 
     def __post_init__(self) -> None:
+        require("sampling", max_staleness=(self.max_staleness >= 0, self.max_staleness),
+                worker_threads=(self.worker_threads >= 1, self.worker_threads))
         require("sampling", num_generations=(self.num_generations >= 1, self.num_generations),
                 max_new_tokens=(self.max_new_tokens >= 1, self.max_new_tokens),
                 temperature=(self.temperature > 0, self.temperature),

@@ -104,11 +104,16 @@ class ManualSteps:
         super().on_save_checkpoint(checkpoint)
         if self.kl_reward is not None:
             checkpoint["kl_coef_value"] = self.kl_reward.value  # the adaptive controller's state
+        if self.rollouts.max_staleness:  # the rollouts sampled ahead, trained on after a resume
+            next_step = self.trainer.fit_loop.epoch_loop.batch_progress.total.processed
+            checkpoint["rollouts_ahead"] = self.rollouts.state_dict(next_step)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         if self.kl_reward is not None and "kl_coef_value" in checkpoint:
             self.kl_reward.value = checkpoint["kl_coef_value"]
+        if "rollouts_ahead" in checkpoint:
+            self.rollouts.load_state_dict(checkpoint["rollouts_ahead"])
 
     def configure_optimizers(self) -> Any:
         """The policy's optimiser (and scheduler); each companion's own optimiser and scheduler after it."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -36,8 +37,26 @@ class RolloutSource:
         seed: the run's sampling seed (``model.sampling.seed``).
     """
 
+    max_staleness = 0  # sampled by the weights of the step that trains on it
+
     def __init__(self, sampler: Sampler, filters: Sequence[RolloutFilter], seed: int) -> None:
         self.sampler, self.filters, self.seed = sampler, list(filters), seed
+
+    # the interface it shares with `async_source.AsyncRollouts`, which runs it ahead in a worker
+    def start(self, **_: Any) -> None:
+        """Nothing to start: the step samples in this process."""
+
+    def publish(self, step: int, params: dict[str, torch.Tensor]) -> None:
+        """Nothing to publish: the step samples with the trained weights."""
+
+    def state_dict(self, next_step: int) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
     def __call__(self, batch: Batch, io: PolicyIO, *, step: int, rank: int, collectives: Collectives,
                  refill: Callable[[], Batch] | None,

@@ -79,7 +79,14 @@ class HFEngine(RolloutEngine):
             raise RuntimeError("the engine is not attached to a policy: call `attach(policy)` first")
         with seeded(seed, prompt_ids.device):
             return hf_generate(self.policy, prompt_ids, prompt_mask, num_samples=num_samples,
-                               sampling=sampling, compact=self.compact, synced_gpus=self.synced)
+                               sampling=sampling, compact=self.compact, synced_gpus=self.synced,
+                               return_logprobs=self.returns_logprobs and not sampling.greedy)
+
+    def sample_ahead(self) -> None:
+        """Sampling runs ahead of the learner (``model.sampling.max_staleness``): the weights that sample
+        are not the trained module's, so generations carry their log-probs (the behaviour policy's) and
+        the step recomputes its own and corrects the gap."""
+        self.returns_logprobs, self.is_trained_module = True, False
 
 
 @contextmanager

@@ -91,7 +91,9 @@ class LogProbPasses:
                                  joiner=joiner)
 
         start = time.perf_counter()
-        ref_logp = score(reference) if reference is not None else rollout.ref_logp
+        ref_logp = rollout.ref_logp  # scored where the rollout was sampled (a worker sampling ahead), or:
+        if ref_logp is None and reference is not None:
+            ref_logp = score(reference)
         middle = time.perf_counter()
         if self.behaviour == "recompute":
             old_logp = score(policy)

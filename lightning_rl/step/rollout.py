@@ -49,6 +49,9 @@ class Rollout:
             context, never loss); ``None`` for single-turn rollouts (every ``attention_mask`` token).
         values: ``[N, C]`` critic values at rollout time (PPO), else ``None``.
         returns: ``[N, C]`` value targets (PPO), else ``None``.
+        versions: ``[N]`` long, the weight version (trainer step) whose weights sampled each row, when the
+            sampler runs ahead of the learner (``sampling.max_staleness``); weights never change within a
+            rollout, so one version per row is exact. ``None``: sampled by this step's weights.
     """
 
     prompt_ids: Tensor
@@ -70,6 +73,7 @@ class Rollout:
     model_mask: Tensor | None = None
     values: Tensor | None = None
     returns: Tensor | None = None
+    versions: Tensor | None = None
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]

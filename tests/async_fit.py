@@ -1,0 +1,81 @@
+"""Asynchronous sampling (``max_staleness: 1``) on 2 gloo ranks under DDP or FSDP2, with uneven sampler
+speeds: rank 1's reward sleeps, so its worker is the slow one. Every rank makes the same collectives every
+step whatever its worker did, each step trains on the rollout of its own batch sampled one version back,
+and, the lag being fixed, DDP and FSDP2 sample the same tokens and train to the same weights (up to the
+order of their reductions).
+
+    python tests/async_fit.py OUT_DIR ddp|fsdp2
+
+Under FSDP2 the worker samples with a whole float32 ``CopyEngine`` (the sharded policy cannot sample alone);
+weights reach it gathered one parameter at a time. Rank 0 writes ``OUT_DIR/result.pt``: the trained
+weights (gathered), and per rank and step the rollout's versions and the logged staleness.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from functools import partial
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from lightning_rl.algorithms import GRPO
+from lightning_rl.callbacks.base import RLCallback
+from lightning_rl.data import PromptDataModule
+from lightning_rl.models.sharding import full_state_dict
+from lightning_rl.step.engine import CopyEngine
+
+
+def uneven_reward(prompts, completions, answer, **_):
+    """Exact match; slow on rank 1 (its worker inherits the rank in the environment)."""
+    if os.environ.get("RANK") == "1":
+        time.sleep(0.3)
+    return [float(c.strip() == str(a)) for c, a in zip(completions, answer, strict=True)]
+
+
+class Record(RLCallback):
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+
+    def on_rollout_end(self, trainer, pl_module, rollout):
+        self.steps.append({"step": trainer.fit_loop.total_batch_idx, "versions": rollout.versions.tolist(),
+                           "tokens": rollout.completion_ids.tolist()})
+
+    def on_step_end(self, trainer, pl_module, stats):
+        self.steps[-1]["staleness"] = stats["rollout/staleness_max"]
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    out, kind = sys.argv[1], sys.argv[2]
+    strategy: object = "ddp"
+    engine = None
+    if kind == "fsdp2":
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        engine = CopyEngine("float32")
+    record = Record()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=4, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=out, callbacks=[record])
+    module = GRPO.configured(
+        policy={"model": "builtin:tiny-sort", "max_prompt_length": 16},
+        sampling={"max_new_tokens": 8, "num_generations": 4, "max_staleness": 1}, engine=engine,
+        rewards={"functions": ["async_fit:uneven_reward"]}, update={"max_grad_norm": None},
+        optimizer=partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0))
+    trainer.fit(module, PromptDataModule(batch_size=2))
+    weights = full_state_dict(module.policy.model)  # every rank joins the gathers
+    steps: list = [None, None]
+    dist.all_gather_object(steps, record.steps)
+    if trainer.global_rank == 0:
+        torch.save({"weights": weights, "steps": steps, "worker": module.rollouts.process},
+                   os.path.join(out, "result.pt"))
+
+
+if __name__ == "__main__":
+    main()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,237 @@
+"""Asynchronous sampling (``model.sampling.max_staleness``): a worker process samples ahead of the learner
+with a fixed lag, each rollout labelled with the weight version that sampled it; slow samplers and slow
+learners alike keep staleness at exactly ``k`` and discard nothing; a failing or killed worker stops the
+run naming why; a resumed run trains on exactly what the uninterrupted one did, and the reward sees every
+prompt once."""
+
+from __future__ import annotations
+
+import os
+import time
+from functools import partial
+
+import lightning as L
+import pytest
+import torch
+from helpers import CONFIGS, datamodule, make, run_cli, scalars
+
+from lightning_rl.algorithms import GRPO
+from lightning_rl.callbacks.base import RLCallback
+from lightning_rl.models.generation import make_generation
+from lightning_rl.step.engine import HFEngine
+
+pytestmark = pytest.mark.slow
+PROMPT_LOG = "LRL_TEST_PROMPT_LOG"
+SLOW_REWARD = "LRL_TEST_SLOW_REWARD"
+
+
+def logged_reward(prompts, completions, **_):
+    """Reward 0; appends every prompt it scores to the file named by ``$LRL_TEST_PROMPT_LOG`` (the worker
+    is another process) and sleeps ``$LRL_TEST_SLOW_REWARD`` seconds (a slow sampler)."""
+    time.sleep(float(os.environ.get(SLOW_REWARD, "0")))
+    path = os.environ.get(PROMPT_LOG)
+    if path:
+        with open(path, "a") as f:
+            f.writelines(f"{p}\n" for p in prompts)
+    return [0.0] * len(completions)
+
+
+def failing_reward(prompts, completions, **_):
+    raise ZeroDivisionError("the reward of this test always fails")
+
+
+class Versions(RLCallback):
+    """Each step's trainer step, its rollout's versions and its first completion token."""
+
+    def __init__(self, pause: float = 0.0) -> None:
+        self.seen, self.pause = [], pause
+
+    def on_rollout_end(self, trainer, pl_module, rollout):
+        step = trainer.fit_loop.total_batch_idx
+        self.seen.append((step, rollout.versions.tolist(), rollout.completion_ids[:, 0].tolist()))
+        time.sleep(self.pause)  # a slow learner
+
+
+class StampVersion(L.Callback):
+    """Before each step publishes its weights, write the step number into one trained weight (the
+    optimiser's learning rate is 0, so nothing else changes it)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        with torch.no_grad():
+            first_weight(pl_module).view(-1)[0] = float(trainer.fit_loop.total_batch_idx + 1)
+
+
+def first_weight(module) -> torch.Tensor:
+    return next(p for p in module.policy.model.parameters() if p.requires_grad)
+
+
+class StampingEngine(HFEngine):
+    """Generates two tokens that name the weight it samples with: token ``STAMPS[w]`` where ``w`` is the
+    value :class:`StampVersion` wrote (so the rollout shows which weights sampled it)."""
+
+    STAMPS = list(range(10, 30))
+
+    def generate(self, prompt_ids, prompt_mask, *, num_samples=1, sampling, seed=None):
+        stamp = self.STAMPS[int(first_weight(self).view(-1)[0])]
+        ids = prompt_ids.repeat_interleave(num_samples, 0)
+        mask = prompt_mask.repeat_interleave(num_samples, 0)
+        completion = torch.full((len(ids), 2), stamp, dtype=torch.long)
+        gen = make_generation(ids, mask, completion, self.policy.eos_token_id, self.policy.pad_token_id)
+        gen.rollout_logp = torch.zeros(completion.shape)
+        return gen
+
+
+def fit(module, steps: int, callbacks=()) -> L.Trainer:
+    trainer = L.Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        limit_val_batches=0, accelerator="cpu", callbacks=list(callbacks))
+    trainer.fit(module, datamodule=datamodule())
+    return trainer
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_each_rollout_is_labelled_with_the_weights_that_sampled_it(lag):
+    """The worker binds version max(0, t - k) for step t: the stamped token proves which weights sampled,
+    and the recorded versions agree."""
+    module = make(GRPO, sampling={"max_staleness": lag}, engine=StampingEngine(),
+                  optimizer=partial(torch.optim.SGD, lr=0.0))
+    versions = Versions()
+    fit(module, 6, [StampVersion(), versions])
+    assert [s for s, *_ in versions.seen] == list(range(6))
+    for step, labels, stamps in versions.seen:
+        expected = max(0, step - lag)
+        assert set(labels) == {expected}, (step, labels)
+        # version v is the weights step v published, which StampVersion had set to v + 1
+        assert set(stamps) == {StampingEngine.STAMPS[expected + 1]}, (step, stamps)
+
+
+@pytest.mark.parametrize("slow", ["sampler", "learner"])
+def test_staleness_is_exactly_the_lag_and_nothing_is_discarded(slow, tmp_path, monkeypatch):
+    """A slow sampler (its reward sleeps) or a slow learner (its steps sleep): either way step t trains on
+    the rollout of its own batch sampled with version max(0, t - 1), and the reward scored each step's
+    batch once, plus at most the lag's batches sampled ahead when the run ended."""
+    log = tmp_path / "prompts.txt"
+    monkeypatch.setenv(PROMPT_LOG, str(log))
+    monkeypatch.setenv(SLOW_REWARD, "0.2" if slow == "sampler" else "0")
+    module = make(GRPO, sampling={"max_staleness": 1},
+                  rewards={"functions": ["test_async_sampling:logged_reward"]})
+    versions = Versions(pause=0.2 if slow == "learner" else 0.0)
+    trainer = fit(module, 5, [versions])
+    assert [(s, set(v)) for s, v, _ in versions.seen] == [(t, {max(0, t - 1)}) for t in range(5)]
+    assert trainer.callback_metrics["rollout/staleness_max"] == 1.0
+    scored = log.read_text().splitlines()
+    stream = datamodule()
+    stream.setup("fit")
+    batches = stream.train_batches(0)
+    expected = [p for _ in range(6) for p in next(batches)["prompt"] for _ in range(4)]  # 5 steps + 1 ahead
+    assert scored[: 5 * 16] == expected[: 5 * 16] and len(scored) in (5 * 16, 6 * 16)
+    assert module.rollouts.process is None  # the worker stopped with the run
+
+
+def test_a_failing_sampler_stops_the_run_with_its_reason():
+    module = make(GRPO, sampling={"max_staleness": 1},
+                  rewards={"functions": ["test_async_sampling:failing_reward"], "on_error": "raise"})
+    with pytest.raises(RuntimeError, match="sampler worker failed sampling step 0: .*ZeroDivisionError"):
+        fit(module, 3)
+    assert module.rollouts.process is None
+
+
+def test_a_killed_sampler_is_reported_not_waited_for():
+    class KillWorker(RLCallback):
+        def on_step_end(self, trainer, pl_module, stats):
+            os.kill(pl_module.rollouts.process.pid, 9)
+
+    module = make(GRPO, sampling={"max_staleness": 1})
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"sampler worker exited \(code -9\) before step"):
+        fit(module, 6, [KillWorker()])
+    assert time.perf_counter() - start < 60
+
+
+TINY = """
+seed_everything: 3
+trainer:
+  max_steps: 6
+  limit_val_batches: 0
+  num_sanity_val_steps: 0
+  enable_progress_bar: false
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args: {{dirpath: "{ckpt}", save_last: true, every_n_train_steps: 3, save_top_k: -1}}
+model:
+  init_args:
+    sampling:
+      num_generations: 4
+      max_new_tokens: 8
+    rewards:
+      functions: [lightning_rl.step.rewards:exact_match, test_async_sampling:logged_reward]
+data:
+  init_args:
+    batch_size: 4
+"""
+
+
+def test_resumed_async_run_continues_exactly_and_scores_each_prompt_once(tmp_path, monkeypatch):
+    """Killed after step 3 (its checkpoint holds the rollout sampled ahead) and resumed: the same metrics
+    as the uninterrupted run, and the reward saw the same prompts, none twice."""
+    def run(name, steps, resume=False):
+        monkeypatch.setenv(PROMPT_LOG, str(tmp_path / f"{name}.txt"))
+        overlay = tmp_path / f"{name}.yaml"
+        overlay.write_text(TINY.format(ckpt=tmp_path / f"ckpt_{name.split('_')[0]}"))
+        args = ["fit", "--config", CONFIGS / "grpo.yaml", "--config", CONFIGS / "async.yaml", "--config",
+                overlay, "--trainer.max_steps", str(steps), "--trainer.logger.init_args.save_dir",
+                tmp_path / name]
+        run_cli(*(args + (["--ckpt_path", "last"] if resume else [])))
+        return scalars(tmp_path / name), (tmp_path / f"{name}.txt").read_text().splitlines()
+
+    full, full_prompts = run("full", 6)
+    _, first = run("cut_first", 3)
+    resumed, second = run("cut_second", 6, resume=True)
+    for key in ["policy/loss", "rollout/reward_mean", "policy/grad_norm", "rollout/staleness_mean",
+                "rollout/mismatch_k3"]:
+        assert [v for s, v in full[key] if s > 3] == pytest.approx([v for s, v in resumed[key] if s > 3],
+                                                                   rel=1e-6, abs=1e-7), key
+    # the interrupted run scored steps 0-3 (3 trained, 1 ahead, saved in its checkpoint); the resumed
+    # run starts at step 4's batch: together the uninterrupted run's prompts, in order
+    assert first + second == full_prompts[: len(first) + len(second)]
+    assert len(first) == 4 * 16
+
+
+@pytest.mark.distributed
+@pytest.mark.ranks("ddp/async", "fsdp2/async")
+def test_two_ranks_with_uneven_samplers_under_ddp_and_fsdp2(rank_jobs):
+    """tests/async_fit.py: rank 1's worker is slow; both ranks train every step on their own batch one
+    version back, the workers stop with the run, and DDP and FSDP2 sample the same tokens every step and
+    reach the same weights (to within their reduction orders, amplified by Adam: ~5e-5 here)."""
+    results = {kind: torch.load(rank_jobs.out(f"{kind}/async") / "result.pt", weights_only=False)
+               for kind in ("ddp", "fsdp2")}
+    for result in results.values():
+        for steps in result["steps"]:  # each rank
+            assert [(s["step"], set(s["versions"]), s["staleness"]) for s in steps] == [
+                (t, {max(0, t - 1)}, float(min(t, 1))) for t in range(4)]
+        assert result["worker"] is None
+    for ddp_rank, fsdp2_rank in zip(results["ddp"]["steps"], results["fsdp2"]["steps"], strict=True):
+        assert [s["tokens"] for s in ddp_rank] == [s["tokens"] for s in fsdp2_rank]
+    ddp, fsdp2 = results["ddp"]["weights"], results["fsdp2"]["weights"]
+    assert ddp.keys() == fsdp2.keys()
+    for name, value in ddp.items():
+        torch.testing.assert_close(fsdp2[name], value, rtol=1e-3, atol=3e-4, msg=name)
+
+
+ONLINE_CONFIGS = ["grpo", "gspo", "dapo", "sapo", "rloo", "reinforce_pp", "ppo", "grpo_tools", "grpo_lora"]
+
+
+@pytest.mark.parametrize("name", ONLINE_CONFIGS)
+def test_async_overlay_composes_with_every_online_config_through_the_cli(tmp_path, name):
+    """configs/async.yaml over each shipped online config: the worker samples one version back (PPO's
+    values, LoRA's adapters, tools and DAPO's refills included), losses stay finite, the worker stops."""
+    cli = run_cli("fit", "--config", CONFIGS / f"{name}.yaml", "--config", CONFIGS / "async.yaml",
+                  "--trainer.max_steps", "4", "--trainer.limit_val_batches", "0",
+                  "--trainer.num_sanity_val_steps", "0", "--trainer.log_every_n_steps", "1",
+                  "--trainer.logger.init_args.save_dir", tmp_path, "--trainer.enable_progress_bar", "false")
+    assert cli.model.rollouts.max_staleness == 1 and cli.model.rollouts.process is None
+    logged = scalars(tmp_path)
+    staleness = [v for _, v in logged["rollout/staleness_max"]]
+    assert staleness[0] == 0.0 and set(staleness[1:]) == {1.0}, staleness
+    losses = [v for k, series in logged.items() if k.endswith("loss") for _, v in series]
+    assert losses and all(v == v and abs(v) < 1e6 for v in losses)
+    assert all(v > -1e-6 for _, v in logged["rollout/mismatch_k3"])  # k3 >= 0, up to rounding
