@@ -166,4 +166,4 @@ class OnlineRL(ManualSteps, PolicyModule):
     def policy_loss(self, micro: Rollout, num_tokens: torch.Tensor,
                     num_seqs: torch.Tensor) -> tuple[torch.Tensor, dict]:
         return policy_loss(self.policy, micro, self.objective, self.entropy_coef, self.sampling.temperature,
-                           num_tokens, num_seqs)
+                           num_tokens, num_seqs, self.learner.correction)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Literal
 
+from torch import Tensor
+
 from lightning_rl.maths.rollout_weights import rollout_is_weights, rollout_mismatch_stats
 from lightning_rl.step.rollout import Rollout
 
@@ -42,11 +44,17 @@ class RolloutCorrection:
         engine, behaviour = rollout.rollout_logp, rollout.old_logp
         if engine is None or behaviour is None or behaviour is engine or not len(rollout):
             return rollout, {}
-        mask = rollout.loss_mask
-        mode = "truncate" if self.mode == "off" else self.mode
-        weights = rollout_is_weights(rollout.old_logp, rollout.rollout_logp, mask, self.level, mode, self.cap)
-        stats = rollout_mismatch_stats(rollout.old_logp, rollout.rollout_logp, mask, weights, self.cap,
-                                       level=self.level)
-        if self.mode != "off":
+        weights, stats = self.weights(behaviour, engine, rollout.loss_mask)
+        if weights is not None:
             rollout = replace(rollout, is_weights=weights)
         return rollout, {name: float(value) for name, value in stats.items()}
+
+    def weights(self, behaviour: Tensor, engine: Tensor, mask: Tensor) -> tuple[Tensor | None, dict]:
+        """``[B, T]`` correction weights of ``behaviour`` (the trainer's log-probs) against the engine's
+        (``None`` with ``mode: off``) and the mismatch statistics (tensors). The step applies them before
+        the update, or in the loss when the current log-probs are the behaviour's (one update per rollout:
+        no separate pass)."""
+        mode = "truncate" if self.mode == "off" else self.mode
+        weights = rollout_is_weights(behaviour, engine, mask, self.level, mode, self.cap)
+        stats = rollout_mismatch_stats(behaviour, engine, mask, weights, self.cap, level=self.level)
+        return (None if self.mode == "off" else weights), stats

@@ -41,6 +41,7 @@ class RolloutEngine:
 
     returns_logprobs: bool = False
     is_trained_module: bool = True
+    samples_ahead: bool = False  # sampling runs ahead of the learner (``max_staleness``): see sample_ahead
 
     def attach(self, policy: Policy, *, synced: bool = False, compact: bool = False) -> None:
         """Bind to the trained policy. ``synced``: forwards are collectives (sharded weights), so every
@@ -86,7 +87,7 @@ class HFEngine(RolloutEngine):
         """Sampling runs ahead of the learner (``model.sampling.max_staleness``): the weights that sample
         are not the trained module's, so generations carry their log-probs (the behaviour policy's) and
         the step recomputes its own and corrects the gap."""
-        self.returns_logprobs, self.is_trained_module = True, False
+        self.returns_logprobs, self.is_trained_module, self.samples_ahead = True, False, True
 
 
 @contextmanager

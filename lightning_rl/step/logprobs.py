@@ -11,8 +11,11 @@ Behaviour log-probs (``old_logp``) come from one of:
   trainer and engine may be three policies).
 - ``from_engine``: the engine's own ``rollout_logp`` (bypass: the engine is the behaviour policy).
 - ``on_policy``: none; the current log-probs, detached, stand in. Exact only for one update per rollout
-  from the trained module itself (the ratio is then 1 and its gradient the plain policy gradient).
-- ``auto``: ``on_policy`` where that is exact, else ``recompute``.
+  (the ratio is then 1 and its gradient the plain policy gradient): from the trained module itself, or
+  from an engine that returns its log-probs (another copy of the weights: a bf16 copy, a worker sampling
+  ahead), whose gap to the current log-probs the correction then weighs in the loss, with no extra pass.
+- ``auto``: ``on_policy`` where that is exact with the trained module or an engine sampling ahead, else
+  ``recompute`` (a bf16 ``CopyEngine`` recomputes unless ``on_policy`` is asked for).
 """
 
 from __future__ import annotations
@@ -58,13 +61,14 @@ def resolve_behaviour(source: str, updates_per_rollout: int, engine: Any) -> str
     if source == "from_engine" and not engine.returns_logprobs:
         raise ValueError(f"`model.logprobs.behaviour: from_engine` needs an engine that returns log-probs; "
                          f"{type(engine).__name__} does not")
-    exact = updates_per_rollout == 1 and engine.is_trained_module
+    exact = updates_per_rollout == 1 and (engine.is_trained_module or engine.returns_logprobs)
     if source == "on_policy" and not exact:
         raise ValueError("`model.logprobs.behaviour: on_policy` is only exact with one update per rollout "
                          "(ppo_epochs * num_minibatches == 1) from an engine that samples with the trained "
-                         "module; use `recompute`")
-    if source == "auto":
-        return "on_policy" if exact else "recompute"
+                         "module or returns its log-probs; use `recompute`")
+    if source == "auto":  # an engine sampling ahead: its gap weighed in the loss, with no separate pass
+        cheap = engine.is_trained_module or getattr(engine, "samples_ahead", False)
+        return "on_policy" if exact and cheap else "recompute"
     return source
 
 

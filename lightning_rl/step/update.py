@@ -143,16 +143,22 @@ def pad_fraction(micro: Rollout) -> Tensor:
 
 
 def policy_loss(policy: Any, micro: Rollout, objective: Any, entropy_coef: float, temperature: float,
-                num_tokens: Tensor, num_seqs: Tensor) -> tuple[Tensor, dict[str, Any]]:
+                num_tokens: Tensor, num_seqs: Tensor,
+                correction: Any = None) -> tuple[Tensor, dict[str, Any]]:
     """The policy's loss on a micro-batch: the objective (normalised by the minibatch's global counts)
     minus ``entropy_coef`` x the entropy, aggregated like the loss; ``policy/entropy`` is always logged.
     Log-probs are scored at the sampling ``temperature``; on-policy rows (``old_logp`` None) use the current
-    log-probs, detached."""
+    log-probs, detached, and when the engine's log-probs differ from them (``rollout_logp``: another copy of
+    the weights) ``correction`` weighs each token here, as it would after a separate behaviour pass."""
     logp, entropy = policy.token_logprobs(micro.prompt_ids, micro.prompt_mask, micro.completion_ids,
                                           micro.attention_mask, with_entropy=True, temperature=temperature)
     old_logp = micro.old_logp if micro.old_logp is not None else logp.detach()
+    weights, mismatch = micro.is_weights, {}
+    if micro.old_logp is None and micro.rollout_logp is not None and correction is not None:
+        weights, mismatch = correction.weights(old_logp, micro.rollout_logp, micro.loss_mask)
     loss, metrics = objective(logp, old_logp, micro.ref_logp, micro.advantages, micro.loss_mask,
-                              num_tokens=num_tokens, num_seqs=num_seqs, token_weights=micro.is_weights)
+                              num_tokens=num_tokens, num_seqs=num_seqs, token_weights=weights)
+    metrics.update(mismatch)
     if entropy_coef:
         loss = loss - entropy_coef * aggregate(entropy, micro.loss_mask, objective.aggregation,
                                                num_tokens=num_tokens, num_seqs=num_seqs)

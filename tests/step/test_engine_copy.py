@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from functools import partial
@@ -123,6 +124,37 @@ def test_gradient_with_the_correction_does_not_depend_on_micro_batch_size(tmp_pa
         grads[micro] = torch.cat([p.grad.flatten() for p in module.policy.parameters()])
     assert grads[None].abs().max() > 1e-3
     torch.testing.assert_close(grads[None], grads[3], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("level,mode", [("token", "truncate"), ("sequence", "mask")])
+def test_the_correction_in_the_loss_equals_a_behaviour_pass_and_the_stage(tmp_path, level, mode):
+    """One update per rollout from an engine that returns its log-probs: taking the current log-probs as the
+    behaviour's and weighing the gap in the loss (``on_policy``, what a worker sampling ahead uses) gives
+    the gradient of a separate behaviour pass followed by the correction stage, without the pass."""
+    module = make(GRPO, objective={"kl_coef": 0.0}, update={"max_grad_norm": None},
+                  logprobs={"correction": RolloutCorrection(level, mode, cap=1.5)},
+                  optimizer=partial(torch.optim.SGD, lr=0.0))
+    make_trainer(tmp_path, max_steps=0).fit(module, datamodule(batch_size=2))
+    module.policy.disable_dropout()
+    ids, mask = module.encode_prompts(["12345=", "907=", "5555123="])
+    torch.manual_seed(0)
+    gen = module.policy.generate(ids, mask, num_samples=4, max_new_tokens=8)
+    g = torch.Generator().manual_seed(1)
+    rollout = Rollout.from_generation(gen, torch.arange(3).repeat_interleave(4), torch.rand(12, generator=g),
+                                      torch.zeros(12, dtype=torch.bool))
+    rollout.advantages = torch.randn(12, generator=g)
+    current = logprobs(module, rollout)
+    rollout.rollout_logp = current + 0.3 * torch.randn(current.shape, generator=g) * rollout.attention_mask
+    grads = {}
+    for way in ("pass", "loss"):
+        staged = dataclasses.replace(rollout, old_logp=current if way == "pass" else None)
+        staged, stats = module.learner.correction(staged)
+        assert (staged.is_weights is not None) == (way == "pass")
+        module.policy.zero_grad()
+        update(module, staged)
+        grads[way] = torch.cat([p.grad.flatten() for p in module.policy.parameters()])
+    assert grads["pass"].abs().max() > 1e-3
+    torch.testing.assert_close(grads["loss"], grads["pass"], atol=1e-6, rtol=1e-5)
 
 
 def test_correction_options_are_validated():
