@@ -9,7 +9,7 @@ runs it:
 
 * ``sync1`` / ``sync2``: ``max_staleness: 0``, torch on 1 / 2 threads;
 * ``async1`` / ``async2``: ``configs/async.yaml`` with ``max_staleness`` 1 / 2: the learner on 1 thread, the
-  sampler's worker on 1 thread.
+  sampler's worker on 1 thread; ``async1_learner2``: ``max_staleness`` 1 with the learner on 2 threads.
 
 For each run: wall seconds, the median ``perf/step_time`` (steps after the first 5), the median of each
 phase on the learner (``perf/rollout_wait_time``: waiting for the worker; ``perf/generation_time``,
@@ -37,7 +37,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-VARIANTS = {"sync1": (0, 1), "sync2": (0, 2), "async1": (1, 1), "async2": (2, 1)}  # (max_staleness, threads)
+# (max_staleness, the learner's torch threads); the worker always takes 1 (`sampling.worker_threads`)
+VARIANTS = {"sync1": (0, 1), "sync2": (0, 2), "async1": (1, 1), "async2": (2, 1), "async1_learner2": (1, 2)}
 PHASES = ["perf/rollout_wait_time", "perf/generation_time", "perf/reference_time",
           "perf/sampler_reference_time", "perf/update_time"]
 
@@ -128,7 +129,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--val-every", type=int, default=None, help="default: the last step only")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=["sync1", "sync2", "async1", "async2"],
+                        choices=list(VARIANTS))
     parser.add_argument("--real", action="store_true", help="SmolLM2-135M-Instruct with LoRA")
     args = parser.parse_args()
     real = real_overlay(args.steps) if args.real else None

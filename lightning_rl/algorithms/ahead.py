@@ -1,6 +1,6 @@
 """What :class:`~lightning_rl.algorithms.online.OnlineRL` hands the asynchronous sampler
 (``model.sampling.max_staleness >= 1``, :mod:`lightning_rl.episodes.async_source`): the weights it
-publishes, the parameters the worker samples with, and the DataModule's prompt streams read ahead."""
+publishes, its engine, the frozen reference and the DataModule's prompt streams read ahead."""
 
 from __future__ import annotations
 
@@ -16,19 +16,6 @@ def trained_params(policy: Any) -> dict[str, Tensor]:
     return {name: p for name, p in policy.model.named_parameters() if p.requires_grad}
 
 
-def sampling_params(engine: Any, policy: Any) -> dict[str, Tensor]:
-    """The parameters of the model the worker samples with, by the trained parameters' names: the
-    engine's own copy (``CopyEngine``) or the policy itself (in the worker, a copy of it after the fork)."""
-    own = getattr(engine, "copy", None)
-    model = own.model if own is not None else policy.model
-    if own is None and is_sharded(model):
-        raise ValueError("`model.sampling.max_staleness` >= 1 under FSDP2 needs a whole copy of the weights "
-                         "to sample with: set `model.engine.class_path: lightning_rl.step.engine.CopyEngine` "
-                         "(`init_args.dtype: float32` for full precision)")
-    mine = dict(model.named_parameters())
-    return {name: mine[name] for name in trained_params(policy)}
-
-
 def start_worker(module: Any) -> None:
     """Fork ``module``'s sampler worker at the start of training (after a checkpoint's weights loaded)."""
     trainer, dm = module.trainer, module.trainer.datamodule
@@ -38,13 +25,16 @@ def start_worker(module: Any) -> None:
     if not hasattr(dm, "train_batches"):
         raise ValueError("`model.sampling.max_staleness` >= 1 reads the training prompts ahead of the "
                          "learner: it needs a DataModule with `train_batches(start)` (PromptDataModule), "
-                         f"not "
-                         f"{type(dm).__name__}")
+                         f"not {type(dm).__name__}")
     io = module.policy_io()  # the engine attached (and a CopyEngine's copy built) before the fork
     reference = module.reference_policy()
     if getattr(reference, "shares_weights", False) and is_sharded(module.policy.model):
         reference = None  # LoRA under FSDP2: the reference runs the sharded base, so the learner scores it
-    module.rollouts.start(io=io, params=sampling_params(module.engine, module.policy),
+    if is_sharded(module.engine.sampling_model()):
+        raise ValueError("`model.sampling.max_staleness` >= 1 under FSDP2 needs a whole copy of the weights "
+                         "to sample with: set `model.engine.class_path: lightning_rl.step.engine.CopyEngine` "
+                         "(`init_args.dtype: float32` for full precision)")
+    module.rollouts.start(io=io, engine=module.engine, names=list(trained_params(module.policy)),
                           batches=dm.train_batches, refills=getattr(dm, "refill_batches", None),
                           step=trainer.fit_loop.epoch_loop.batch_progress.total.processed,
                           batch_index=dm.batches_consumed, rank=trainer.global_rank,

@@ -165,6 +165,11 @@ class PolicyModule(EvaluationSteps, TrainedModule):
         ids = completion_ids.masked_fill(completion_mask == 0, self.policy.pad_token_id)
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
+    def render_for_reward_model(self, prompts: Sequence[Any]) -> tuple[list[str], bool]:
+        """Prompts as text for a reward model's own tokenizer, and whether it adds special tokens."""
+        texts = render_prompts(self.tokenizer, prompts, self.chat_template)
+        return texts, all(self.add_special_tokens(prompts))
+
     def shown_prompts(self, prompts: Sequence[Any]) -> list[str]:
         """Prompts as the model sees them, as text: rendered (chat template), cut to ``max_prompt_length``
         and decoded like a rollout's prompt ids, so train and validation sample tables show them alike."""

@@ -40,8 +40,7 @@ from lightning_rl.step.estimators import AdvantageEstimator
 from lightning_rl.step.learner import Learner
 from lightning_rl.step.logprobs import resolve_behaviour
 from lightning_rl.step.rollout import Rollout, merge_stats
-from lightning_rl.step.update import TrainedModel, Updater, policy_loss
-from lightning_rl.text.prompts import render_prompts
+from lightning_rl.step.update import TrainedModel, policy_loss
 
 
 class OnlineRL(ManualSteps, PolicyModule):
@@ -109,20 +108,12 @@ class OnlineRL(ManualSteps, PolicyModule):
         self.reference_stages = ("fit",) if self.needs_reference else ()  # validate / predict hold no copy
         self.__dict__["_reference"] = None
 
-    @property
-    def updater(self) -> Updater:
-        return self.learner.updater
-
     def reference_policy(self) -> Any:
         """The frozen reference (``None`` when no KL term is on), built on first use: the policy as loaded,
         out of checkpoints and optimisers."""
         if self._reference is None and self.needs_reference:
             self.__dict__["_reference"] = self.policy.reference()
         return self._reference
-
-    def render_for_reward_model(self, prompts: list[Any]) -> tuple[list[str], bool]:
-        texts = render_prompts(self.tokenizer, prompts, self.chat_template)
-        return texts, all(self.add_special_tokens(prompts))
 
     # ---- the step ---------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
@@ -150,14 +141,6 @@ class OnlineRL(ManualSteps, PolicyModule):
             "perf/tokens_per_sec": stats["perf/generated_tokens"] / step_time})
         self.reward_pipeline.warn_if_slow(stats.get("perf/reward_time", 0.0), step_time)  # once per run
         self.end_step(stats)
-
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        if self.rollouts.max_staleness:
-            ahead.start_worker(self)
-
-    def teardown(self, stage: str) -> None:
-        self.rollouts.close()  # a worker sampling ahead stops with the run, however it ends
 
     def trained_models(self) -> list[TrainedModel]:
         """What the updater trains: the policy (and the companions, for presets that have them)."""

@@ -52,30 +52,26 @@ class PPO(OnlineRL):
     ) -> None:
         super().__init__(*args, sampling=sampling, objective=objective,
                          advantage=advantage if advantage is not None else GAE(), **kwargs)
-        held = self.policy_options
+        held, self.critic_options = self.policy_options, critic
         self.critic = load_critic(critic.model, self.policy, trust_remote_code=held.trust_remote_code)
         if held.gradient_checkpointing:
             enable_gradient_checkpointing(self.critic.model)
-        self.critic_options = critic
 
     def companions(self) -> dict[str, Companion]:
-        options = self.critic_options
         values = CriticValues(self.critic, self.updater.micro_batch_size)  # before the advantages (GAE)
-        return {"critic": Companion(self.critic, options.optimizer, options.lr_scheduler, values)}
-
-    @property
-    def warming_up(self) -> bool:
-        return self.trainer.fit_loop.total_batch_idx < self.critic_options.warmup
+        o = self.critic_options
+        return {"critic": Companion(self.critic, o.optimizer, o.lr_scheduler, values)}
 
     def trained_models(self) -> list[TrainedModel]:
         """The policy (joining the backward without stepping while the critic warms up), then the critic,
         whose step goes through the strategy beside the policy's (so one trainer step stays one update)."""
+        warm = self.trainer.fit_loop.total_batch_idx < self.critic_options.warmup  # rollouts, not updates
         policy_opt, critic_opt = self.optimizers()
         policy = TrainedModel("policy", self.policy, policy_opt, self.policy_loss, ("policy/loss",))
-        if self.warming_up:
+        if warm:
             policy.optimizer, policy.loss, policy.summed = None, self.frozen_policy_loss, ()
         critic = TrainedModel("critic", self.critic, critic_opt, self.critic_loss, ("critic/vf_loss",),
-                              counts_as_step=self.warming_up)
+                              counts_as_step=warm)
         return [policy, critic]
 
     def frozen_policy_loss(self, micro: Rollout, num_tokens: torch.Tensor, num_seqs: torch.Tensor) -> tuple:
@@ -83,5 +79,5 @@ class PPO(OnlineRL):
         return zero_loss(self.policy, self.trainer), {}
 
     def critic_loss(self, micro: Rollout, num_tokens: torch.Tensor, num_seqs: torch.Tensor) -> tuple:
-        options = self.critic_options
-        return critic_loss(self.critic, micro, options.vf_coef, options.value_clip, num_tokens)
+        o = self.critic_options
+        return critic_loss(self.critic, micro, o.vf_coef, o.value_clip, num_tokens)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from lightning_rl.algorithms.ahead import start_worker
 from lightning_rl.models.adapters import trainable_parameters
 from lightning_rl.models.sharding import (
     deepspeed_engine,
@@ -30,7 +31,7 @@ from lightning_rl.models.sharding import (
 )
 from lightning_rl.step.metrics import StepMetrics
 from lightning_rl.step.rollout import Rollout, rollout_stats
-from lightning_rl.step.update import TrainedModel, UpdateHooks
+from lightning_rl.step.update import TrainedModel, UpdateHooks, Updater
 
 
 @dataclass
@@ -55,6 +56,10 @@ class ManualSteps:
     """Mixin for :class:`~lightning_rl.algorithms.online.OnlineRL` (see the module docstring)."""
 
     _reference: Any
+
+    @property
+    def updater(self) -> Updater:
+        return self.learner.updater
 
     @property
     def step_metrics(self) -> StepMetrics:
@@ -92,6 +97,14 @@ class ManualSteps:
             self._reference.to(self.device)
         if self.reward_pipeline.reward_model is not None:
             self.reward_pipeline.reward_model.to(self.device)
+
+    def on_train_start(self) -> None:
+        super().on_train_start()  # after a resumed checkpoint's weights and RNG: the worker starts from them
+        if self.rollouts.max_staleness:
+            start_worker(self)
+
+    def teardown(self, stage: str) -> None:
+        self.rollouts.close()  # a worker sampling ahead stops with the run, however it ends
 
     def compact_sampling_allowed(self) -> bool:
         return self.share_prompt_prefix

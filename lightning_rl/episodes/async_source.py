@@ -23,168 +23,29 @@ The protocol, for a lag ``k = model.sampling.max_staleness``:
   them: a resumed run trains on exactly the rollouts the uninterrupted run would have, and no prompt is
   sampled or scored twice.
 
-The worker is a forked child of its rank's process: it inherits the module's sampler, tokenizer, reward
-functions, environments and tools as they are (nothing is pickled), ignores SIGINT / SIGTERM (the learner
-stops it after saving its checkpoint) and exits when its parent does. It never joins a collective: each
-rank has its own worker, and its filters and reward-failure limit decide on that rank's samples alone.
-A worker's failure reaches the learner as an error naming the step and the worker's exception; a worker
-that dies is reported with its exit code, never waited for.
+The worker (:mod:`lightning_rl.episodes.async_worker`) is a forked child of its rank's process. It never
+joins a collective: each rank has its own worker, and its filters and reward-failure limit decide on that
+rank's samples alone. A worker's failure reaches the learner as an error naming the step and the worker's
+exception; a worker that dies is reported with its exit code, never waited for.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
-import signal
+import pickle
 import time
-import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields
 from typing import Any
 
-import torch
 import torch.multiprocessing as mp
 from torch import Tensor
 
+from lightning_rl.episodes.async_worker import POLL_SECONDS, Failed, Sampled, WeightSlots, Worker, run_worker
 from lightning_rl.episodes.sampler import PolicyIO
 from lightning_rl.episodes.source import Batch, RolloutSource
-from lightning_rl.models.sharding import full_value
-from lightning_rl.step.collectives import Collectives
-from lightning_rl.step.logprobs import score_rollout
 from lightning_rl.step.rollout import Rollout
-
-POLL_SECONDS = 0.002
-
-
-@dataclass
-class Sampled:
-    """One step's rollout from the worker: its step, weight version, prompts (checked against the
-    learner's batch), statistics, and the refill stream's position after it."""
-
-    step: int
-    version: int
-    prompts: list[Any]
-    rollout: Rollout
-    stats: dict[str, float]
-    refills: int
-
-
-@dataclass
-class Failed:
-    """The worker's exception, as text, and the step it was sampling."""
-
-    step: int
-    message: str
-
-
-class WeightSlots:
-    """``count`` shared-memory copies of the sampling model's trained parameters, one per weight version
-    in flight (see the module docstring)."""
-
-    def __init__(self, params: dict[str, Tensor], count: int, context: Any) -> None:
-        self.count = count
-        self.tensors = [{name: torch.zeros_like(p.detach(), device="cpu").share_memory_()
-                         for name, p in params.items()} for _ in range(count)]
-        # lock-free: a lock the worker held when it was killed would hang the learner's next publish
-        self.versions = context.Array("q", [-1] * count, lock=False)
-
-    @torch.no_grad()
-    def publish(self, version: int, params: dict[str, Tensor]) -> None:
-        """Write ``params`` (the learner's, cast to the slot's dtype) as ``version``."""
-        index = version % self.count
-        slot = self.tensors[index]
-        for name, param in params.items():
-            slot[name].copy_(full_value(param.detach()).to(dtype=slot[name].dtype, device="cpu"))
-        self.versions[index] = version  # after the tensors: the worker reads them once it sees this
-
-    def wait(self, version: int, stopping: Callable[[], bool]) -> dict[str, Tensor] | None:
-        """The slot holding ``version`` once published (``None`` if ``stopping()`` first)."""
-        index = version % self.count
-        while self.versions[index] != version:
-            if stopping():
-                return None
-            time.sleep(POLL_SECONDS)
-        return self.tensors[index]
-
-
-def bind(params: dict[str, Tensor], tensors: dict[str, Tensor]) -> None:
-    """Point the worker model's parameters at a slot's tensors (no copy)."""
-    for name, param in params.items():
-        param.data = tensors[name]
-
-
-@dataclass
-class Worker:
-    """What the worker process runs with (inherited by fork)."""
-
-    source: RolloutSource
-    io: PolicyIO
-    params: dict[str, Tensor]
-    slots: WeightSlots
-    batches: Iterator[Batch]
-    refills: Callable[[int], Iterator[Batch]] | None
-    refills_start: int
-    step: int
-    start: int
-    lag: int
-    rank: int
-    results: Any
-    stop: Any
-    parent: int
-    threads: int
-    reference: Any = None
-    scoring: tuple[float, int | None] = (1.0, None)  # the reference's temperature and micro-batch size
-
-    def run(self) -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the learner saves, then stops the worker
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        torch.set_num_threads(self.threads)
-        refill_stream, refilled = None, self.refills_start
-
-        def refill() -> Batch:
-            nonlocal refill_stream, refilled
-            if refill_stream is None:
-                refill_stream = self.refills(refilled)
-            refilled += 1
-            return next(refill_stream)
-
-        step = self.step
-        try:
-            for batch in self.batches:
-                version = max(self.start, step - self.lag)
-                tensors = self.slots.wait(version, self.stopping)
-                if tensors is None:
-                    return
-                bind(self.params, tensors)
-                with torch.no_grad():
-                    rollout, stats = self.source(batch, self.io, step=step, rank=self.rank,
-                                                 collectives=Collectives.local(), device=torch.device("cpu"),
-                                                 refill=refill if self.refills is not None else None)
-                rollout = replace(rollout, versions=torch.full((len(rollout),), version, dtype=torch.long))
-                if self.reference is not None:
-                    rollout, stats = self.score_reference(rollout, stats)
-                self.results.send(Sampled(step, version, list(batch["prompt"]), rollout, stats, refilled))
-                step += 1
-        except BaseException as err:  # noqa: BLE001 (every failure reaches the learner)
-            last = traceback.format_exception_only(type(err), err)[-1].strip()
-            self.results.send(Failed(step, last))
-
-    @torch.no_grad()
-    def score_reference(self, rollout: Rollout, stats: dict[str, float]) -> tuple[Rollout, dict[str, float]]:
-        """The frozen reference's log-probs, here rather than on the learner: they do not depend on the
-        trained weights (verl's separate reference worker), and the two sides' work is more even."""
-        start = time.perf_counter()
-        temperature, micro_batch_size = self.scoring
-        ref_logp = score_rollout(self.reference, rollout, temperature=temperature,
-                                 micro_batch_size=micro_batch_size, collectives=Collectives.local())
-        return replace(rollout, ref_logp=ref_logp), {**stats, "perf/sampler_reference_time":
-                                                     time.perf_counter() - start}
-
-    def stopping(self) -> bool:
-        return bool(self.stop.value) or os.getppid() != self.parent
-
-
-def _run(worker: Worker) -> None:
-    worker.run()
 
 
 class AsyncRollouts:
@@ -213,30 +74,35 @@ class AsyncRollouts:
     def running(self) -> bool:
         return self.process is not None
 
-    def start(self, *, io: PolicyIO, params: dict[str, Tensor], batches: Callable[[int], Iterator[Batch]],
+    def start(self, *, io: PolicyIO, engine: Any, names: list[str], batches: Callable[[int], Iterator[Batch]],
               refills: Callable[[int], Iterator[Batch]] | None, step: int, batch_index: int, rank: int,
               refills_start: int, reference: Any = None, scoring: tuple[float, int | None] = (1.0, None)
               ) -> None:
-        """Fork the worker. ``params``: the sampling model's trained parameters by name (the worker binds
-        them to the slots); ``batches(i)``: the training batches from batch index ``i`` on; ``step``: the
-        trainer step of ``batch_index``; ``reference``: the frozen reference, scored in the worker at
-        ``scoring`` = (temperature, micro-batch size)."""
+        """Fork the worker. ``engine``: the rollout engine (``io.generate`` is its), which receives each
+        version through ``set_weights``; ``names``: the trained parameters' names; ``batches(i)``: the
+        training batches from batch index ``i`` on; ``step``: the trainer step of ``batch_index``;
+        ``reference``: the frozen reference, scored in the worker at ``scoring`` = (temperature, micro-batch
+        size)."""
         if self.running:
             return
         context = mp.get_context("fork")
-        self.slots = WeightSlots(params, self.lag + 1, context)
+        self.slots = WeightSlots(engine.weights(names), self.lag + 1, context)
         self.ready = {item.step: item for item in self.restored}
         first = step + len(self.restored)
         refills_start = self.restored[-1].refills if self.restored else refills_start
         self.refills, self.restored = refills_start, []
         self.results, sender = context.Pipe(duplex=False)
         self.stop = context.Value("b", 0, lock=False)
-        worker = Worker(self.source, io, params, self.slots, batches(batch_index + first - step), refills,
+        worker = Worker(self.source, io, engine, self.slots, batches(batch_index + first - step), refills,
                         refills_start, first, step, self.lag, rank, sender, self.stop, os.getpid(),
                         self.threads, reference, scoring)
-        self.process = context.Process(target=_run, args=(worker,), daemon=True, name="lightning-rl-sampler")
+        self.process = context.Process(target=run_worker, args=(worker,), daemon=True,
+                                       name="lightning-rl-sampler")
         self.process.start()
         sender.close()  # the worker's end alone: its exit, even mid-message, reads as end of file here
+        # however the learner ends (a signal's checkpoint-and-exit skips Lightning's teardown), stop the
+        # worker before multiprocessing's own exit handler joins it (after a SIGTERM the worker ignores)
+        atexit.register(self.close)
 
     def publish(self, step: int, params: dict[str, Tensor]) -> None:
         """The learner's weights at the start of ``step``, as version ``step``."""
@@ -282,7 +148,7 @@ class AsyncRollouts:
         while True:
             if self.results.poll(POLL_SECONDS):
                 try:
-                    return self.results.recv()
+                    return pickle.loads(self.results.recv_bytes())
                 except (EOFError, OSError):  # its end of the pipe closed, or its tensors went with it
                     break
             if not process.is_alive():
@@ -314,6 +180,7 @@ class AsyncRollouts:
         process, self.process = self.process, None
         if process is None:
             return
+        atexit.unregister(self.close)
         self.stop.value = 1
         process.join(timeout=5)
         if process.is_alive():

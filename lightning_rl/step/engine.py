@@ -56,6 +56,22 @@ class RolloutEngine:
     def sync_weights(self, policy: Policy) -> None:
         """Refresh the engine's weights from the trained policy (after an optimiser step)."""
 
+    # ---- the worker protocol: an engine that samples ahead of the learner (`model.sampling.max_staleness`)
+    def weights(self, names: list[str]) -> dict[str, Tensor]:
+        """The engine's current tensors of the trained parameters ``names`` (their shapes and dtypes are the
+        shared-memory slots' a worker receives versions in)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot sample ahead of the learner")
+
+    def set_weights(self, version: int, weights: dict[str, Tensor]) -> None:
+        """Sample with ``weights`` (by parameter name: the trained ones, all or the adapters) from now on;
+        they are weight version ``version`` (the trainer step that published them). An in-process engine
+        points its parameters at these tensors (no copy); a server client would load them and tag its
+        outputs."""
+        raise NotImplementedError(f"{type(self).__name__} cannot sample ahead of the learner")
+
+    def close(self) -> None:
+        """Release what the engine holds (a server connection) when the worker stops."""
+
 
 class HFEngine(RolloutEngine):
     """In-process sampling with the trained module itself (see the module docstring).
@@ -82,6 +98,19 @@ class HFEngine(RolloutEngine):
             return hf_generate(self.policy, prompt_ids, prompt_mask, num_samples=num_samples,
                                sampling=sampling, compact=self.compact, synced_gpus=self.synced,
                                return_logprobs=self.returns_logprobs and not sampling.greedy)
+
+    def sampling_model(self) -> Any:
+        """The transformers model that samples: the attached policy's."""
+        return self.policy.model
+
+    def weights(self, names: list[str]) -> dict[str, Tensor]:
+        mine = dict(self.sampling_model().named_parameters())
+        return {name: mine[name] for name in names}
+
+    def set_weights(self, version: int, weights: dict[str, Tensor]) -> None:
+        mine = dict(self.sampling_model().named_parameters())
+        for name, tensor in weights.items():
+            mine[name].data = tensor
 
     def sample_ahead(self) -> None:
         """Sampling runs ahead of the learner (``model.sampling.max_staleness``): the weights that sample
@@ -159,6 +188,9 @@ class CopyEngine(HFEngine):
         engine = Policy(engine_model, policy.tokenizer)
         engine.share_prompts = policy.share_prompts
         return engine
+
+    def sampling_model(self) -> Any:
+        return self.copy.model
 
     @torch.no_grad()
     def sync_weights(self, policy: Policy) -> None:

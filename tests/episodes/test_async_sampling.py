@@ -7,13 +7,18 @@ prompt once."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
-from helpers import CONFIGS, datamodule, make, run_cli, scalars
+import yaml
+from helpers import CONFIGS, ROOT, datamodule, make, run_cli, scalars
 
 from lightning_rl.algorithms import GRPO
 from lightning_rl.callbacks.base import RLCallback
@@ -127,6 +132,33 @@ def test_staleness_is_exactly_the_lag_and_nothing_is_discarded(slow, tmp_path, m
     assert module.rollouts.process is None  # the worker stopped with the run
 
 
+def test_the_gradient_does_not_depend_on_the_micro_batch_size_when_sampling_ahead():
+    """With the learning rate at 0 the weights never move, so every version samples alike: the learner's
+    gradient (its norm and the loss, per step) is the same whole or in micro-batches of 3, with the
+    worker's gap corrected in the loss."""
+    logged = {}
+    for micro in (None, 3):
+        module = make(GRPO, sampling={"max_staleness": 1}, update={"micro_batch_size": micro},
+                      optimizer=partial(torch.optim.SGD, lr=0.0))
+        norms = Norms()
+        fit(module, 3, [norms])
+        logged[micro] = norms.seen
+    assert len(logged[None]) == 3 and all(norm > 1e-4 for norm, _ in logged[None])
+    flat = {micro: [x for pair in seen for x in pair] for micro, seen in logged.items()}
+    assert flat[3] == pytest.approx(flat[None], rel=1e-4, abs=1e-6)
+
+
+class Norms(L.Callback):
+    """Each step's logged ``policy/grad_norm`` and ``policy/loss``."""
+
+    def __init__(self) -> None:
+        self.seen = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        metrics = trainer.callback_metrics
+        self.seen.append((float(metrics["policy/grad_norm"]), float(metrics["policy/loss"])))
+
+
 def test_a_failing_sampler_stops_the_run_with_its_reason():
     module = make(GRPO, sampling={"max_staleness": 1},
                   rewards={"functions": ["test_async_sampling:failing_reward"], "on_error": "raise"})
@@ -217,14 +249,17 @@ def test_two_ranks_with_uneven_samplers_under_ddp_and_fsdp2(rank_jobs):
         torch.testing.assert_close(fsdp2[name], value, rtol=1e-3, atol=3e-4, msg=name)
 
 
-ONLINE_CONFIGS = ["grpo", "gspo", "dapo", "sapo", "rloo", "reinforce_pp", "ppo", "grpo_tools", "grpo_lora"]
+ONLINE_CONFIGS = ["grpo", "gspo", "dapo", "sapo", "rloo", "reinforce_pp", "ppo", "grpo_tools", "grpo_lora",
+                  "grpo+precision/bf16"]
 
 
 @pytest.mark.parametrize("name", ONLINE_CONFIGS)
 def test_async_overlay_composes_with_every_online_config_through_the_cli(tmp_path, name):
     """configs/async.yaml over each shipped online config: the worker samples one version back (PPO's
-    values, LoRA's adapters, tools and DAPO's refills included), losses stay finite, the worker stops."""
-    cli = run_cli("fit", "--config", CONFIGS / f"{name}.yaml", "--config", CONFIGS / "async.yaml",
+    values, LoRA's adapters, tools, DAPO's refills and the bf16 engine's copy included), losses stay finite,
+    the worker stops."""
+    configs = [arg for part in name.split("+") for arg in ("--config", CONFIGS / f"{part}.yaml")]
+    cli = run_cli("fit", *configs, "--config", CONFIGS / "async.yaml",
                   "--trainer.max_steps", "4", "--trainer.limit_val_batches", "0",
                   "--trainer.num_sanity_val_steps", "0", "--trainer.log_every_n_steps", "1",
                   "--trainer.logger.init_args.save_dir", tmp_path, "--trainer.enable_progress_bar", "false")
@@ -235,3 +270,49 @@ def test_async_overlay_composes_with_every_online_config_through_the_cli(tmp_pat
     losses = [v for k, series in logged.items() if k.endswith("loss") for _, v in series]
     assert losses and all(v == v and abs(v) < 1e6 for v in losses)
     assert all(v > -1e-6 for _, v in logged["rollout/mismatch_k3"])  # k3 >= 0, up to rounding
+
+
+class SignalGroupAt(L.Callback):
+    """At ``step``, record the worker's pid and the time, then send ``signum`` to the whole process group
+    (as Ctrl-C or a batch system does): the worker receives it too."""
+
+    def __init__(self, step: int, signum: int, record: str) -> None:
+        self.step, self.signum, self.record = step, signum, record
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            with open(self.record, "w") as f:
+                f.write(f"{pl_module.rollouts.process.pid} {time.time()}")
+            os.killpg(os.getpgid(0), self.signum)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_stops_learner_and_worker_with_one_checkpoint(tmp_path, signum):
+    """SIGINT / SIGTERM to the process group at step 2: exit 130 / 143 within 30 s, one checkpoint, which
+    resumes, and no worker left behind."""
+    record = tmp_path / "record.txt"
+    overlay = tmp_path / "signal.yaml"
+    overlay.write_text(yaml.safe_dump({"trainer": {"callbacks": [
+        {"class_path": "test_async_sampling.SignalGroupAt",
+         "init_args": {"step": 2, "signum": int(signum), "record": str(record)}}]}}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LRL_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), str(ROOT / "tests"),
+                                          os.environ.get("PYTHONPATH", "")])}
+    argv = [sys.executable, "-m", "lightning_rl.cli.main", "fit", "--config", str(CONFIGS / "grpo.yaml"),
+            "--config", str(CONFIGS / "async.yaml"), "--config", str(overlay), "--trainer.max_steps", "10",
+            "--trainer.val_check_interval", "100", "--trainer.num_sanity_val_steps", "0",
+            "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path)]
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                          start_new_session=True)
+    ended = time.time()
+    pid, sent = record.read_text().split()
+    assert proc.returncode == 128 + signum, proc.stderr[-3000:]
+    assert ended - float(sent) < 30
+    saved = list((tmp_path / "lightning-rl" / "version_0" / "checkpoints").glob("*.ckpt"))
+    assert [p.name for p in saved] == ["interrupted-step=3.ckpt"], saved  # after the step it arrived in
+    assert torch.load(saved[0], weights_only=False)["rollouts_ahead"]["rollouts"][0]["step"] == 3
+    for _ in range(50):  # the worker is gone (not even a zombie: its parent reaped it)
+        if not Path(f"/proc/{pid}").exists():
+            break
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists()
