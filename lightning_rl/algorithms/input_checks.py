@@ -87,7 +87,7 @@ def scored_functions(module: Any) -> list[Scored]:
         else:
             correctness = Scored("", "model.init_args.rewards.correctness_fn", module.correctness_fn,
                                  CORRECTNESS_EXTRAS, "", set_correctness)
-        scorer = getattr(module, "rewards", None)
+        scorer = module.reward_pipeline.scorer
         main = str(getattr(module, "accuracy_name", ""))  # "<reward fn> (correct at its full score...)"
         for split in ("train", "val"):
             for name, fn in zip(getattr(scorer, "names", []), getattr(scorer, "fns", []), strict=True):

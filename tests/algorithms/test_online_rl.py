@@ -341,14 +341,14 @@ CLIP = ["policy/clip_frac_low", "policy/clip_frac_high"]
 def test_end_to_end(tmp_path, cls, kw, max_steps, rl_steps, extra, absent):
     module = make(cls, **kw)
     before = params(module)
-    cap, generated, original = Capture(), [], module.sample
+    cap, generated, original = Capture(), [], module.sampler
 
-    def spy(batch, collectives, decide=True):  # every generation round (refills too), with its RL step
-        rollout, stats = original(batch, collectives, decide)
+    def spy(batch, io, **kwargs):  # every generation round (refills too), with its RL step
+        rollout, stats = original(batch, io, **kwargs)
         generated.append((module.trainer.fit_loop.total_batch_idx, rollout))
         return rollout, stats
 
-    module.sample = spy
+    module.rollouts.sampler = spy
     trainer = make_trainer(tmp_path, max_steps=max_steps, callbacks=[cap], logger=CSVLogger(str(tmp_path)),
                            limit_val_batches=1, val_check_interval=rl_steps, check_val_every_n_epoch=None,
                            log_every_n_steps=1)

@@ -287,7 +287,7 @@ def test_reward_model_scores_are_added_to_the_reward_functions(tmp_path, reward_
     torch.testing.assert_close(rollout.rewards, expected, atol=1e-5, rtol=0)
     assert "reward_model" not in "".join(module.state_dict())  # kept out of checkpoints
     # a reward model alone: no reward function is needed
-    assert make(PPO, rewards={"model": str(reward_folder)}).rewards is None
+    assert make(PPO, rewards={"model": str(reward_folder)}).reward_pipeline.scorer is None
 
 
 @pytest.mark.slow
@@ -302,7 +302,7 @@ def test_reward_model_then_ppo_rm_through_the_cli(tmp_path):
                   "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1",
                   "--data.init_args.max_val_rows", "8", "--trainer.enable_progress_bar", "false",
                   "--trainer.logger.init_args.save_dir", tmp_path / "ppo")
-    assert cli.trainer.global_step == 2 and cli.model.rewards is None
+    assert cli.trainer.global_step == 2 and cli.model.reward_pipeline.scorer is None
     assert "rollout/reward_mean" in scalars(tmp_path / "ppo")
 
 

@@ -286,29 +286,46 @@ class SignalGroupAt(L.Callback):
             os.killpg(os.getpgid(0), self.signum)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_stops_learner_and_worker_with_one_checkpoint(tmp_path, signum):
-    """SIGINT / SIGTERM to the process group at step 2: exit 130 / 143 within 30 s, one checkpoint, which
-    resumes, and no worker left behind."""
-    record = tmp_path / "record.txt"
-    overlay = tmp_path / "signal.yaml"
-    overlay.write_text(yaml.safe_dump({"trainer": {"callbacks": [
-        {"class_path": "test_async_sampling.SignalGroupAt",
-         "init_args": {"step": 2, "signum": int(signum), "record": str(record)}}]}}))
+SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM}
+
+
+@pytest.fixture(scope="module")
+def signalled(tmp_path_factory) -> dict:
+    """One GRPO + configs/async.yaml run per signal through `lightning-rl fit` in its own session (both
+    started at once), the signal sent to the process group at step 2; ``{name: (folder, process, end time,
+    worker pid, time sent)}``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LRL_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), str(ROOT / "tests"),
                                           os.environ.get("PYTHONPATH", "")])}
-    argv = [sys.executable, "-m", "lightning_rl.cli.main", "fit", "--config", str(CONFIGS / "grpo.yaml"),
-            "--config", str(CONFIGS / "async.yaml"), "--config", str(overlay), "--trainer.max_steps", "10",
-            "--trainer.val_check_interval", "100", "--trainer.num_sanity_val_steps", "0",
-            "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path)]
-    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-                          start_new_session=True)
-    ended = time.time()
-    pid, sent = record.read_text().split()
-    assert proc.returncode == 128 + signum, proc.stderr[-3000:]
-    assert ended - float(sent) < 30
-    saved = list((tmp_path / "lightning-rl" / "version_0" / "checkpoints").glob("*.ckpt"))
+    procs = {}
+    for name, signum in SIGNALS.items():
+        folder = tmp_path_factory.mktemp(name)
+        overlay = folder / "signal.yaml"
+        overlay.write_text(yaml.safe_dump({"trainer": {"callbacks": [
+            {"class_path": "test_async_sampling.SignalGroupAt",
+             "init_args": {"step": 2, "signum": int(signum), "record": str(folder / "record.txt")}}]}}))
+        argv = [sys.executable, "-m", "lightning_rl.cli.main", "fit", "--config", str(CONFIGS / "grpo.yaml"),
+                "--config", str(CONFIGS / "async.yaml"), "--config", str(overlay), "--trainer.max_steps",
+                "10", "--trainer.val_check_interval", "100", "--trainer.num_sanity_val_steps", "0",
+                "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(folder)]
+        procs[name] = folder, subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    out = {}
+    for name, (folder, proc) in procs.items():
+        _, err = proc.communicate(timeout=300)
+        pid, sent = (folder / "record.txt").read_text().split()
+        out[name] = folder, proc.returncode, err, time.time(), int(pid), float(sent)
+    return out
+
+
+@pytest.mark.parametrize("name", list(SIGNALS))
+def test_a_signal_stops_learner_and_worker_with_one_checkpoint(signalled, name):
+    """SIGINT / SIGTERM to the process group at step 2: exit 130 / 143 within 30 s, one checkpoint holding
+    the rollout sampled ahead, and no worker left behind."""
+    folder, code, stderr, ended, pid, sent = signalled[name]
+    assert code == 128 + SIGNALS[name], stderr[-3000:]
+    assert ended - sent < 30
+    saved = list((folder / "lightning-rl" / "version_0" / "checkpoints").glob("*.ckpt"))
     assert [p.name for p in saved] == ["interrupted-step=3.ckpt"], saved  # after the step it arrived in
     assert torch.load(saved[0], weights_only=False)["rollouts_ahead"]["rollouts"][0]["step"] == 3
     for _ in range(50):  # the worker is gone (not even a zombie: its parent reaped it)
