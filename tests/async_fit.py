@@ -4,7 +4,10 @@ step whatever its worker did, each step trains on the rollout of its own batch s
 and, the lag being fixed, DDP and FSDP2 sample the same tokens and train to the same weights (up to the
 order of their reductions).
 
-    python tests/async_fit.py OUT_DIR ddp|fsdp2
+    python tests/async_fit.py OUT_DIR ddp|fsdp2 [CKPT_EVERY | RESUME_CKPT]
+
+With a number, a checkpoint every that many steps under ``OUT_DIR/ckpt``; with a path, the run resumes from
+it (DDP): each rank's rollouts sampled ahead travel in rank 0's file and return to their own rank.
 
 Under FSDP2 the worker samples with a whole float32 ``CopyEngine`` (the sharded policy cannot sample alone);
 weights reach it gathered one parameter at a time. Rank 0 writes ``OUT_DIR/result.pt``: the trained
@@ -21,6 +24,7 @@ from functools import partial
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_rl.algorithms import GRPO
@@ -49,9 +53,17 @@ class Record(RLCallback):
         self.steps[-1]["staleness"] = stats["rollout/staleness_max"]
 
 
+def checkpoints(out: str, every: int | None) -> list:
+    if every is None:
+        return []
+    return [ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), every_n_train_steps=every, save_top_k=-1)]
+
+
 def main() -> None:
     torch.set_num_threads(1)
     out, kind = sys.argv[1], sys.argv[2]
+    extra = sys.argv[3] if len(sys.argv) > 3 else None
+    every, resume = (int(extra), None) if extra and extra.isdigit() else (None, extra)
     strategy: object = "ddp"
     engine = None
     if kind == "fsdp2":
@@ -59,14 +71,15 @@ def main() -> None:
         engine = CopyEngine("float32")
     record = Record()
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=4, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=out, callbacks=[record])
+                        enable_checkpointing=every is not None, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                        default_root_dir=out, callbacks=[record, *checkpoints(out, every)])
     module = GRPO.configured(
         policy={"model": "builtin:tiny-sort", "max_prompt_length": 16},
         sampling={"max_new_tokens": 8, "num_generations": 4, "max_staleness": 1}, engine=engine,
         rewards={"functions": ["async_fit:uneven_reward"]}, update={"max_grad_norm": None},
         optimizer=partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0))
-    trainer.fit(module, PromptDataModule(batch_size=2))
+    trainer.fit(module, PromptDataModule(batch_size=2), ckpt_path=resume)
     weights = full_state_dict(module.policy.model)  # every rank joins the gathers
     steps: list = [None, None]
     dist.all_gather_object(steps, record.steps)

@@ -1,16 +1,8 @@
-"""The option groups: what a YAML sets under ``model.init_args``, one small frozen dataclass per concern.
-
-Every algorithm takes its options as a few typed groups instead of dozens of flat keys; LightningCLI turns
-each group into a nested mapping (``model.init_args.sampling.temperature``), ``--print_config`` shows
-them, and each group checks its own fields when it is built, naming the YAML key that is wrong. A preset
-(GRPO, DAPO, PPO...) is the same module with other default groups: a YAML that sets one field of a group
-keeps the preset's other fields. From Python, change a preset's group with :func:`dataclasses.replace`
-on its default (``lightning_rl.algorithms.presets.preset_defaults(DAPO)["objective"]``) or with
-``DAPO.configured(objective={...})``.
-
-``PolicyOptions`` and ``ValidationOptions`` are every algorithm's (SFT, DPO, the online family);
-the rest are the online RL step's (:class:`~lightning_rl.algorithms.online.OnlineRL`); PPO's critic group
-is ``lightning_rl.models.critic.CriticOptions``.
+"""The option groups: what a YAML sets under ``model.init_args``, one small frozen dataclass per concern,
+each checking its own fields when built and naming the YAML key that is wrong. A preset (GRPO, DAPO, PPO...)
+is the same module with other default groups; a YAML that sets one field of a group keeps the preset's
+others, as ``DAPO.configured(objective={...})`` does from Python. ``PolicyOptions`` and ``ValidationOptions``
+are every algorithm's; the rest are the online step's (PPO's critic: ``models.critic.CriticOptions``).
 """
 
 from __future__ import annotations
@@ -108,11 +100,9 @@ class SamplingOptions:
         share_prompt_prefix: run each distinct prompt once in sampling and scoring (same numbers; off under
             FSDP2 / ZeRO-3, and for scoring under gradient checkpointing).
         seed: sampling is seeded by (this, step, round, rank): a resumed run samples the same.
-        max_staleness: ``k``: how many weight versions the sampler may run ahead of the learner. 0: the step
-            samples, then learns (synchronous). ``k >= 1``: a worker process samples the rollouts of the next
-            steps while the learner trains, step ``t``'s rollout from the weights of step ``max(start, t-k)``
-            (a fixed lag: runs are reproducible, and no rollout is older than ``k``; none is discarded).
-        worker_threads: torch threads of the sampler's worker (``max_staleness >= 1``).
+        max_staleness: ``k`` >= 1: a worker samples step ``t``'s rollout with the weights of step ``t - k``
+            while the learner trains (``lightning_rl.episodes.async_source``); 0: synchronous.
+        worker_threads: torch threads of that worker.
     """
 
     num_generations: int = 8
@@ -126,12 +116,12 @@ class SamplingOptions:
     worker_threads: int = 1
 
     def __post_init__(self) -> None:
-        require("sampling", max_staleness=(self.max_staleness >= 0, self.max_staleness),
-                worker_threads=(self.worker_threads >= 1, self.worker_threads))
         require("sampling", num_generations=(self.num_generations >= 1, self.num_generations),
                 max_new_tokens=(self.max_new_tokens >= 1, self.max_new_tokens),
                 temperature=(self.temperature > 0, self.temperature),
-                top_p=(0 < self.top_p <= 1, self.top_p), top_k=(self.top_k >= 0, self.top_k))
+                top_p=(0 < self.top_p <= 1, self.top_p), top_k=(self.top_k >= 0, self.top_k),
+                max_staleness=(self.max_staleness >= 0, self.max_staleness),
+                worker_threads=(self.worker_threads >= 1, self.worker_threads))
 
 
 @dataclass(frozen=True)

@@ -119,13 +119,22 @@ class ManualSteps:
             checkpoint["kl_coef_value"] = self.kl_reward.value  # the adaptive controller's state
         if self.rollouts.max_staleness:  # the rollouts sampled ahead, trained on after a resume
             next_step = self.trainer.fit_loop.epoch_loop.batch_progress.total.processed
-            checkpoint["rollouts_ahead"] = self.rollouts.state_dict(next_step)
+            mine = self.rollouts.state_dict(next_step)
+            checkpoint["rollouts_ahead"] = mine
+            trainer = self.trainer  # rank 0 writes the file: every rank's rollouts travel in it
+            if trainer.world_size > 1 and torch.distributed.is_initialized():
+                by_rank: list[Any] = [None] * trainer.world_size
+                torch.distributed.all_gather_object(by_rank, mine)
+                checkpoint["rollouts_ahead_by_rank"] = by_rank
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         if self.kl_reward is not None and "kl_coef_value" in checkpoint:
             self.kl_reward.value = checkpoint["kl_coef_value"]
-        if "rollouts_ahead" in checkpoint:
+        by_rank = checkpoint.get("rollouts_ahead_by_rank")
+        if by_rank and len(by_rank) == self.trainer.world_size:
+            self.rollouts.load_state_dict(by_rank[self.trainer.global_rank])
+        elif "rollouts_ahead" in checkpoint and not by_rank:
             self.rollouts.load_state_dict(checkpoint["rollouts_ahead"])
 
     def configure_optimizers(self) -> Any:

@@ -69,6 +69,7 @@ class AsyncRollouts:
         self.ready: dict[int, Sampled] = {}  # sampled ahead, by step
         self.restored: list[Sampled] = []  # from a checkpoint, for `start`
         self.refills = 0  # the refill stream's position after the last rollout received
+        self.loaded = False  # resumed: `refills` is the checkpoint's position, not the DataModule's
 
     @property
     def running(self) -> bool:
@@ -89,7 +90,7 @@ class AsyncRollouts:
         self.slots = WeightSlots(engine.weights(names), self.lag + 1, context)
         self.ready = {item.step: item for item in self.restored}
         first = step + len(self.restored)
-        refills_start = self.restored[-1].refills if self.restored else refills_start
+        refills_start = self.refills if self.loaded else refills_start
         self.refills, self.restored = refills_start, []
         self.results, sender = context.Pipe(duplex=False)
         self.stop = context.Value("b", 0, lock=False)
@@ -173,7 +174,7 @@ class AsyncRollouts:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.restored = [from_state(item) for item in state.get("rollouts", [])]
-        self.refills = int(state.get("refills", 0))
+        self.refills, self.loaded = int(state.get("refills", 0)), True
 
     def close(self) -> None:
         """Stop the worker (at most a few seconds: it checks between rollouts and while it waits)."""
