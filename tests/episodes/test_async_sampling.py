@@ -336,13 +336,14 @@ def test_a_signal_stops_learner_and_worker_with_one_checkpoint(signalled, name):
 
 
 @pytest.mark.distributed
-@pytest.mark.ranks("ddp/async-resume")
-def test_a_two_rank_async_run_resumes_exactly(rank_jobs):
-    """tests/async_fit.py under DDP, checkpointed at step 2 and resumed from it: each rank gets back its own
-    rollout sampled ahead (they travel in rank 0's file), so steps 2-3 sample the same tokens on each rank
-    and end at the same weights as the uninterrupted run."""
-    full = torch.load(rank_jobs.out("ddp/async-resume") / "full" / "result.pt", weights_only=False)
-    resumed = torch.load(rank_jobs.out("ddp/async-resume") / "resumed" / "result.pt", weights_only=False)
+@pytest.mark.ranks("ddp/async-resume", "fsdp2/async-resume")
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+def test_a_two_rank_async_run_resumes_exactly(rank_jobs, kind):
+    """tests/async_fit.py under DDP and FSDP2 (a sharded checkpoint), checkpointed at step 2 and resumed from
+    it: each rank gets back its own rollout sampled ahead (they travel in rank 0's file), so steps 2-3
+    sample the same tokens on each rank and end at the same weights as the uninterrupted run."""
+    full = torch.load(rank_jobs.out(f"{kind}/async-resume") / "full" / "result.pt", weights_only=False)
+    resumed = torch.load(rank_jobs.out(f"{kind}/async-resume") / "resumed" / "result.pt", weights_only=False)
     for full_rank, resumed_rank in zip(full["steps"], resumed["steps"], strict=True):
         assert [s["step"] for s in resumed_rank] == [2, 3]
         assert [(s["versions"], s["tokens"]) for s in full_rank[2:]] == [
