@@ -1,19 +1,13 @@
 """What :class:`~lightning_rl.algorithms.online.OnlineRL` hands the asynchronous sampler
-(``model.sampling.max_staleness >= 1``, :mod:`lightning_rl.episodes.async_source`): the weights it
-publishes, its engine, the frozen reference and the DataModule's prompt streams read ahead."""
+(``model.sampling.max_staleness >= 1``, :mod:`lightning_rl.episodes.async_source`) when it starts: its
+engine, the trained parameters' names, the frozen reference and the DataModule's prompt streams."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from torch import Tensor
-
+from lightning_rl.models.adapters import named_trainable_parameters
 from lightning_rl.models.sharding import is_sharded
-
-
-def trained_params(policy: Any) -> dict[str, Tensor]:
-    """The policy's trained parameters by name (the adapters alone under LoRA): what each step publishes."""
-    return {name: p for name, p in policy.model.named_parameters() if p.requires_grad}
 
 
 def start_worker(module: Any) -> None:
@@ -34,7 +28,8 @@ def start_worker(module: Any) -> None:
         raise ValueError("`model.sampling.max_staleness` >= 1 under FSDP2 needs a whole copy of the weights "
                          "to sample with: set `model.engine.class_path: lightning_rl.step.engine.CopyEngine` "
                          "(`init_args.dtype: float32` for full precision)")
-    module.rollouts.start(io=io, engine=module.engine, names=list(trained_params(module.policy)),
+    names = list(named_trainable_parameters(module.policy.model))
+    module.rollouts.start(io=io, engine=module.engine, names=names,
                           batches=dm.train_batches, refills=getattr(dm, "refill_batches", None),
                           step=trainer.fit_loop.epoch_loop.batch_progress.total.processed,
                           batch_index=dm.batches_consumed, rank=trainer.global_rank,

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from lightning_rl.algorithms import ahead, assembly
+from lightning_rl.algorithms import assembly
 from lightning_rl.algorithms.base import PolicyModule
 from lightning_rl.algorithms.options import (
     EpisodeOptions,
@@ -120,7 +120,7 @@ class OnlineRL(ManualSteps, PolicyModule):
         start, collectives = time.perf_counter(), Collectives(self.trainer)
         step = self.trainer.fit_loop.total_batch_idx
         self.attach_engine().sync_weights(self.policy)  # after the optimiser steps of the previous step
-        self.rollouts.publish(step, ahead.trained_params(self.policy))  # a worker sampling ahead: version
+        self.rollouts.publish(step, self.policy.model)  # to a worker sampling ahead, as version `step`
         sync_time = time.perf_counter() - start
         rollout, stats = self.rollouts(batch, self.policy_io(), step=step, rank=self.global_rank,
                                        collectives=collectives, device=self.device,

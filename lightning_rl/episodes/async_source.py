@@ -40,11 +40,12 @@ from dataclasses import fields
 from typing import Any
 
 import torch.multiprocessing as mp
-from torch import Tensor
+from torch import nn
 
 from lightning_rl.episodes.async_worker import POLL_SECONDS, Failed, Sampled, WeightSlots, Worker, run_worker
 from lightning_rl.episodes.sampler import PolicyIO
 from lightning_rl.episodes.source import Batch, RolloutSource
+from lightning_rl.models.adapters import named_trainable_parameters
 from lightning_rl.step.rollout import Rollout
 
 
@@ -105,10 +106,10 @@ class AsyncRollouts:
         # worker before multiprocessing's own exit handler joins it (after a SIGTERM the worker ignores)
         atexit.register(self.close)
 
-    def publish(self, step: int, params: dict[str, Tensor]) -> None:
-        """The learner's weights at the start of ``step``, as version ``step``."""
+    def publish(self, step: int, model: nn.Module) -> None:
+        """The trained weights of ``model`` at the start of ``step``, as version ``step``."""
         assert self.slots is not None, "start() the worker first"
-        self.slots.publish(step, params)
+        self.slots.publish(step, named_trainable_parameters(model))
 
     def __call__(self, batch: Batch, io: PolicyIO, *, step: int,
                  **_: Any) -> tuple[Rollout, dict[str, float]]:

@@ -46,7 +46,7 @@ class RolloutSource:
     def start(self, **_: Any) -> None:
         """Nothing to start: the step samples in this process."""
 
-    def publish(self, step: int, params: dict[str, torch.Tensor]) -> None:
+    def publish(self, step: int, model: torch.nn.Module) -> None:
         """Nothing to publish: the step samples with the trained weights."""
 
     def state_dict(self, next_step: int) -> dict[str, Any]:

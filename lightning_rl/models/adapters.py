@@ -142,6 +142,11 @@ def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
+def named_trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
+    """:func:`trainable_parameters` by name (what a worker sampling ahead receives each step)."""
+    return {name: p for name, p in module.named_parameters() if p.requires_grad}
+
+
 def parameter_counts(module: nn.Module) -> tuple[int, int]:
     """``(trainable, total)`` parameter counts (tied weights counted once; global sizes under FSDP2)."""
     params = list(module.parameters())
