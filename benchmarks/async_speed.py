@@ -9,7 +9,10 @@ runs it:
 
 * ``sync1`` / ``sync2``: ``max_staleness: 0``, torch on 1 / 2 threads;
 * ``async1`` / ``async2``: ``configs/async.yaml`` with ``max_staleness`` 1 / 2: the learner on 1 thread, the
-  sampler's worker on 1 thread; ``async1_learner2``: ``max_staleness`` 1 with the learner on 2 threads.
+  sampler's worker (a process, the CPU default) on 1 thread; ``async1_learner2``: ``max_staleness`` 1 with
+  the learner on 2 threads; ``async1_thread``: ``max_staleness`` 1 with the sampler a thread of the
+  learner's process (``sampling.worker: thread``, the GPU default), each on 1 torch thread: what the GIL
+  costs on CPU, where the decode loop is Python-heavy.
 
 For each run: wall seconds, the median ``perf/step_time`` (steps after the first 5), the median of each
 phase on the learner (``perf/rollout_wait_time``: waiting for the worker; ``perf/generation_time``,
@@ -37,8 +40,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-# (max_staleness, the learner's torch threads); the worker always takes 1 (`sampling.worker_threads`)
-VARIANTS = {"sync1": (0, 1), "sync2": (0, 2), "async1": (1, 1), "async2": (2, 1), "async1_learner2": (1, 2)}
+# (max_staleness, the learner's torch threads, the worker); the worker always takes 1 torch thread
+VARIANTS = {"sync1": (0, 1, "auto"), "sync2": (0, 2, "auto"), "async1": (1, 1, "process"),
+            "async2": (2, 1, "process"), "async1_learner2": (1, 2, "process"),
+            "async1_thread": (1, 1, "thread")}
 PHASES = ["perf/rollout_wait_time", "perf/generation_time", "perf/reference_time",
           "perf/sampler_reference_time", "perf/update_time"]
 
@@ -57,12 +62,12 @@ def configs(real: Path | None) -> list[str]:
 
 
 def run(variant: str, steps: int, real: Path | None, val_every: int) -> dict:
-    lag, threads = VARIANTS[variant]
+    lag, threads, worker = VARIANTS[variant]
     out = Path(tempfile.mkdtemp(prefix=f"async-{variant}-"))
     cmd = [sys.executable, "-m", "lightning_rl.cli.main", "fit", *configs(real),
            "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(val_every),
            "--trainer.logger.init_args.save_dir", str(out), "--trainer.enable_progress_bar", "false",
-           "--model.init_args.sampling.max_staleness", str(lag)]
+           "--model.init_args.sampling.max_staleness", str(lag), "--model.init_args.sampling.worker", worker]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "LRL_NUM_THREADS": str(threads)}
     start = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,

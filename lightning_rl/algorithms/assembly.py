@@ -75,7 +75,7 @@ def rollout_source(sampler: Sampler, filters: FilterOptions, sampling: SamplingO
     if not hasattr(engine, "sample_ahead"):
         raise ValueError(f"`model.sampling.max_staleness` >= 1 samples with an older copy of the weights: "
                          f"{type(engine).__name__} cannot (use HFEngine or CopyEngine)")
-    return AsyncRollouts(source, sampling.max_staleness, sampling.worker_threads)
+    return AsyncRollouts(source, sampling.max_staleness, sampling.worker_threads, sampling.worker)
 
 
 def episode_stage(o: EpisodeOptions, *, tokenizer: Any, chat: bool, max_new_tokens: int,

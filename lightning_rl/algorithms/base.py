@@ -8,6 +8,7 @@ validation and predict steps are the mixin :class:`~lightning_rl.algorithms.eval
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -40,6 +41,10 @@ from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.engine import HFEngine, RolloutEngine
 from lightning_rl.step.rewards import import_reward
 from lightning_rl.text.prompts import render_prompts
+
+# a sampler thread (`model.sampling.worker: thread`) tokenises beside the learner's validation: a fast
+# tokenizer's padding / truncation settings are not safe to change from two threads at once
+TOKENIZER_LOCK = threading.RLock()
 
 
 class PolicyModule(EvaluationSteps, TrainedModule):
@@ -157,13 +162,15 @@ class PolicyModule(EvaluationSteps, TrainedModule):
     episodes: EpisodeRunner | None = None  # multi-turn episodes (RL modules with an environment or tools)
 
     def encode_prompts(self, prompts: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        texts = render_prompts(self.tokenizer, prompts, self.chat_template, tools=self.prompt_tools)
-        return self.policy.encode_prompts(texts, self.max_prompt_length,
-                                          add_special_tokens=self.add_special_tokens(prompts))
+        with TOKENIZER_LOCK:
+            texts = render_prompts(self.tokenizer, prompts, self.chat_template, tools=self.prompt_tools)
+            return self.policy.encode_prompts(texts, self.max_prompt_length,
+                                              add_special_tokens=self.add_special_tokens(prompts))
 
     def decode(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[str]:
         ids = completion_ids.masked_fill(completion_mask == 0, self.policy.pad_token_id)
-        return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        with TOKENIZER_LOCK:
+            return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
     def render_for_reward_model(self, prompts: Sequence[Any]) -> tuple[list[str], bool]:
         """Prompts as text for a reward model's own tokenizer, and whether it adds special tokens."""

@@ -102,7 +102,10 @@ class SamplingOptions:
         seed: sampling is seeded by (this, step, round, rank): a resumed run samples the same.
         max_staleness: ``k`` >= 1: a worker samples step ``t``'s rollout with the weights of step ``t - k``
             while the learner trains (``lightning_rl.episodes.async_source``); 0: synchronous.
-        worker_threads: torch threads of that worker.
+        worker_threads: torch threads of that worker (a process).
+        worker: ``process`` (a forked process with its own threads), ``thread`` (a thread of the learner's
+            process with its own copy of the weights and CUDA stream) or ``auto``: a process on CPU, a thread
+            on GPUs.
     """
 
     num_generations: int = 8
@@ -114,6 +117,7 @@ class SamplingOptions:
     seed: int = 0
     max_staleness: int = 0
     worker_threads: int = 1
+    worker: str = "auto"
 
     def __post_init__(self) -> None:
         require("sampling", num_generations=(self.num_generations >= 1, self.num_generations),
@@ -121,7 +125,8 @@ class SamplingOptions:
                 temperature=(self.temperature > 0, self.temperature),
                 top_p=(0 < self.top_p <= 1, self.top_p), top_k=(self.top_k >= 0, self.top_k),
                 max_staleness=(self.max_staleness >= 0, self.max_staleness),
-                worker_threads=(self.worker_threads >= 1, self.worker_threads))
+                worker_threads=(self.worker_threads >= 1, self.worker_threads),
+                worker=(self.worker in ("auto", "process", "thread"), self.worker))
 
 
 @dataclass(frozen=True)

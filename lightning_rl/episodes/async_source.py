@@ -23,9 +23,10 @@ The protocol, for a lag ``k = model.sampling.max_staleness``:
   them: a resumed run trains on exactly the rollouts the uninterrupted run would have, and no prompt is
   sampled or scored twice.
 
-The worker (:mod:`lightning_rl.episodes.async_worker`) is a forked child of its rank's process. It never
-joins a collective: each rank has its own worker, and its filters and reward-failure limit decide on that
-rank's samples alone. A worker's failure reaches the learner as an error naming the step and the worker's
+The worker (:mod:`lightning_rl.episodes.async_worker`) is a forked child of its rank's process on CPU, a
+thread of it with its own copy of the weights and its own CUDA stream on GPUs (``model.sampling.worker``).
+It never joins a collective: each rank has its own worker, and its filters and reward-failure limit decide on
+that rank's samples alone. A worker's failure reaches the learner as an error naming the step and the worker's
 exception; a worker that dies is reported with its exit code, never waited for.
 """
 
@@ -34,15 +35,27 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import fields
+from types import SimpleNamespace
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from lightning_rl.episodes.async_worker import POLL_SECONDS, Failed, Sampled, WeightSlots, Worker, run_worker
+from lightning_rl.episodes.async_worker import (
+    POLL_SECONDS,
+    Failed,
+    Sampled,
+    WeightSlots,
+    Worker,
+    rollout_to,
+    run_worker,
+)
 from lightning_rl.episodes.sampler import PolicyIO
 from lightning_rl.episodes.source import Batch, RolloutSource
 from lightning_rl.models.adapters import named_trainable_parameters
@@ -55,14 +68,16 @@ class AsyncRollouts:
     Args:
         source: the sampler's half of the step, run in the worker.
         max_staleness: the lag ``k`` >= 1.
-        threads: torch threads of the worker.
+        threads: torch threads of a process worker.
+        worker: ``process``, ``thread`` or ``auto`` (a process on CPU, a thread on GPUs).
     """
 
-    def __init__(self, source: RolloutSource, max_staleness: int, threads: int = 1) -> None:
+    def __init__(self, source: RolloutSource, max_staleness: int, threads: int = 1,
+                 worker: str = "auto") -> None:
         if max_staleness < 1:
             raise ValueError(f"`model.sampling.max_staleness` must be >= 1 to sample ahead, got "
                              f"{max_staleness}")
-        self.source, self.lag, self.threads = source, max_staleness, threads
+        self.source, self.lag, self.threads, self.worker = source, max_staleness, threads, worker
         self.max_staleness = max_staleness
         self.seed = source.seed
         self.slots: WeightSlots | None = None
@@ -78,30 +93,40 @@ class AsyncRollouts:
 
     def start(self, *, io: PolicyIO, engine: Any, names: list[str], batches: Callable[[int], Iterator[Batch]],
               refills: Callable[[int], Iterator[Batch]] | None, step: int, batch_index: int, rank: int,
-              refills_start: int, reference: Any = None, scoring: tuple[float, int | None] = (1.0, None)
-              ) -> None:
-        """Fork the worker. ``engine``: the rollout engine (``io.generate`` is its), which receives each
-        version through ``set_weights``; ``names``: the trained parameters' names; ``batches(i)``: the
-        training batches from batch index ``i`` on; ``step``: the trainer step of ``batch_index``;
-        ``reference``: the frozen reference, scored in the worker at ``scoring`` = (temperature, micro-batch
-        size)."""
+              refills_start: int, reference: Any = None, scoring: tuple[float, int | None] = (1.0, None),
+              thread: bool = False, device: torch.device | None = None) -> None:
+        """Start the worker: a forked process, or a ``thread`` sampling on ``device``. ``engine``: the
+        rollout engine (``io.generate`` is its; a thread's has its own weights), which receives each version
+        through ``set_weights``; ``names``: the trained parameters' names; ``batches(i)``: the training
+        batches from batch index ``i`` on; ``step``: the trainer step of ``batch_index``; ``reference``: the
+        frozen reference, scored in the worker at ``scoring`` = (temperature, micro-batch size)."""
         if self.running:
             return
-        context = mp.get_context("fork")
+        context = None if thread else mp.get_context("fork")
         self.slots = WeightSlots(engine.weights(names), self.lag + 1, context)
         self.ready = {item.step: item for item in self.restored}
         first = step + len(self.restored)
         refills_start = self.refills if self.loaded else refills_start
         self.refills, self.restored = refills_start, []
-        self.results, sender = context.Pipe(duplex=False)
-        self.stop = context.Value("b", 0, lock=False)
+        if context is None:
+            self.results = sender = queue.SimpleQueue()
+            self.stop = SimpleNamespace(value=0)
+        else:
+            self.results, sender = context.Pipe(duplex=False)
+            self.stop = context.Value("b", 0, lock=False)
         worker = Worker(self.source, io, engine, self.slots, batches(batch_index + first - step), refills,
-                        refills_start, first, step, self.lag, rank, sender, self.stop, os.getpid(),
-                        self.threads, reference, scoring)
-        self.process = context.Process(target=run_worker, args=(worker,), daemon=True,
-                                       name="lightning-rl-sampler")
-        self.process.start()
-        sender.close()  # the worker's end alone: its exit, even mid-message, reads as end of file here
+                        refills_start, first, step, self.lag, rank, sender, self.stop,
+                        None if thread else os.getpid(), self.threads, reference, scoring,
+                        device or torch.device("cpu"))
+        if context is None:
+            self.process = threading.Thread(target=run_worker, args=(worker,), daemon=True,
+                                            name="lightning-rl-sampler")
+            self.process.start()
+        else:
+            self.process = context.Process(target=run_worker, args=(worker,), daemon=True,
+                                           name="lightning-rl-sampler")
+            self.process.start()
+            sender.close()  # the worker's end alone: its exit, even mid-message, reads as end of file here
         # however the learner ends (a signal's checkpoint-and-exit skips Lightning's teardown), stop the
         # worker before multiprocessing's own exit handler joins it (after a SIGTERM the worker ignores)
         atexit.register(self.close)
@@ -111,10 +136,11 @@ class AsyncRollouts:
         assert self.slots is not None, "start() the worker first"
         self.slots.publish(step, named_trainable_parameters(model))
 
-    def __call__(self, batch: Batch, io: PolicyIO, *, step: int,
+    def __call__(self, batch: Batch, io: PolicyIO, *, step: int, device: torch.device | None = None,
                  **_: Any) -> tuple[Rollout, dict[str, float]]:
-        """As ``RolloutSource``'s: step ``step``'s rollout of ``batch``, from the worker."""
-        return self.take(step, batch)
+        """As ``RolloutSource``'s: step ``step``'s rollout of ``batch``, from the worker, on ``device``."""
+        rollout, stats = self.take(step, batch)
+        return (rollout if device is None else rollout_to(rollout, device)), stats
 
     def take(self, step: int, batch: Batch) -> tuple[Rollout, dict[str, float]]:
         """Step ``step``'s rollout (waiting for the worker) and its statistics, staleness included."""
@@ -147,6 +173,8 @@ class AsyncRollouts:
         process = self.process
         if process is None:
             raise RuntimeError(f"the sampler worker is not running (step {step})")
+        if isinstance(process, threading.Thread):
+            return self.next_from_thread(process, step)
         while True:
             if self.results.poll(POLL_SECONDS):
                 try:
@@ -159,6 +187,16 @@ class AsyncRollouts:
         self.close()
         raise RuntimeError(f"the sampler worker exited (code {process.exitcode}) before step {step}'s "
                            "rollout")
+
+    def next_from_thread(self, thread: threading.Thread, step: int) -> Sampled | Failed:
+        """A thread worker's next message (it reports its own exceptions; it cannot be killed)."""
+        while True:
+            try:
+                return self.results.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                if not thread.is_alive() and self.results.empty():
+                    self.close()
+                    raise RuntimeError(f"the sampler thread stopped before step {step}'s rollout") from None
 
     def state_dict(self, next_step: int) -> dict[str, Any]:
         """The rollouts of steps ``next_step .. next_step + k - 1`` (their weight versions are published, so
@@ -185,8 +223,8 @@ class AsyncRollouts:
         atexit.unregister(self.close)
         self.stop.value = 1
         process.join(timeout=5)
-        if process.is_alive():
-            process.kill()
+        if process.is_alive() and not isinstance(process, threading.Thread):
+            process.kill()  # a thread in the middle of a rollout ends with it (a daemon: never waited for)
             process.join(timeout=5)
 
 

@@ -11,6 +11,9 @@ a multinomial draw (or argmax when greedy).
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -25,6 +28,21 @@ from lightning_rl.models.model_utils import (
     returned_cache,
 )
 from lightning_rl.models.scoring import shared_prompts
+
+_draws = threading.local()  # this thread's generator for the draws (`drawing_from`)
+
+
+@contextmanager
+def drawing_from(generator: torch.Generator | None) -> Iterator[None]:
+    """The draws of :func:`sample_compacting` in this thread come from ``generator`` (``None``: the global
+    RNG). A sampler in a thread beside the learner (``model.sampling.worker: thread``) then neither
+    disturbs the learner's RNG nor is disturbed by it."""
+    previous = getattr(_draws, "generator", None)
+    _draws.generator = generator
+    try:
+        yield
+    finally:
+        _draws.generator = previous
 
 
 @torch.no_grad()
@@ -98,7 +116,8 @@ def _pick(logits: Tensor, temperature: float, top_k: int, top_p: float, do_sampl
     if not do_sample or temperature == 0:
         return logits.argmax(-1)
     logits = filter_logits(logits / temperature, top_k, top_p)
-    return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1).squeeze(1)
+    generator = getattr(_draws, "generator", None)
+    return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1, generator=generator).squeeze(1)
 
 
-__all__ = ["base_model", "sample_compacting"]
+__all__ = ["base_model", "drawing_from", "sample_compacting"]

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from lightning_rl.models.generation import Generation, SamplingParams, hf_generate
 from lightning_rl.models.model_utils import base_model
+from lightning_rl.models.sampling import drawing_from
 
 if TYPE_CHECKING:
     from lightning_rl.models.policy import Policy
@@ -94,7 +95,7 @@ class HFEngine(RolloutEngine):
                  sampling: SamplingParams, seed: int | None = None) -> Generation:
         if self.policy is None:
             raise RuntimeError("the engine is not attached to a policy: call `attach(policy)` first")
-        with seeded(seed, prompt_ids.device):
+        with seeded(seed, prompt_ids.device, global_rng=not self.compact):
             return hf_generate(self.policy, prompt_ids, prompt_mask, num_samples=num_samples,
                                sampling=sampling, compact=self.compact, synced_gpus=self.synced,
                                return_logprobs=self.returns_logprobs and not sampling.greedy)
@@ -112,6 +113,19 @@ class HFEngine(RolloutEngine):
         for name, tensor in weights.items():
             mine[name].data = tensor
 
+    def worker_copy(self) -> HFEngine:
+        """This engine with its own frozen copy of the sampling weights, for a sampler thread beside the
+        learner (``model.sampling.worker: thread``): it samples with the versions it receives
+        (``set_weights``) while the module's engine keeps the trained weights for validation."""
+        from lightning_rl.models.policy import Policy
+
+        twin = copy.copy(self)
+        model = copy.deepcopy(self.sampling_model()).requires_grad_(False).eval()
+        twin.policy = Policy(model, self.policy.tokenizer)
+        twin.policy.share_prompts = self.policy.share_prompts
+        twin.synced = False
+        return twin
+
     def sample_ahead(self) -> None:
         """Sampling runs ahead of the learner (``model.sampling.max_staleness``): the weights that sample
         are not the trained module's, so generations carry their log-probs (the behaviour policy's) and
@@ -120,14 +134,21 @@ class HFEngine(RolloutEngine):
 
 
 @contextmanager
-def seeded(seed: int | None, device: torch.device) -> Iterator[None]:
-    """Draw from ``seed`` without disturbing the global RNG streams (nothing happens for ``None``)."""
+def seeded(seed: int | None, device: torch.device, *, global_rng: bool = True) -> Iterator[None]:
+    """Draw from ``seed`` without disturbing the global RNG streams (nothing happens for ``None``): the
+    compacting sampler draws from its own generator; ``global_rng`` also seeds the global streams for the
+    length of the block (transformers' ``generate`` draws from them), then restores them. Both give the
+    same draws for the same seed."""
     if seed is None:
         yield
         return
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        yield
+    with drawing_from(torch.Generator(device).manual_seed(seed)):
+        if not global_rng:
+            yield
+            return
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            yield
 
 
 class CopyEngine(HFEngine):
@@ -192,6 +213,12 @@ class CopyEngine(HFEngine):
     def sampling_model(self) -> Any:
         return self.copy.model
 
+    def worker_copy(self) -> CopyEngine:
+        twin = super().worker_copy()
+        assert isinstance(twin, CopyEngine)
+        twin.copy = twin.policy
+        return twin
+
     @torch.no_grad()
     def sync_weights(self, policy: Policy) -> None:
         """Copy (and cast) the trained weights into the engine's; only trainable ones under LoRA."""
@@ -213,6 +240,7 @@ class CopyEngine(HFEngine):
             raise RuntimeError("the engine is not attached to a policy: call `attach(policy)` first")
         device_type = prompt_ids.device.type
         # its weights are already in their dtype: an enclosing autocast (bf16-mixed) would only re-cast
-        with seeded(seed, prompt_ids.device), torch.autocast(device_type, enabled=False):
+        with seeded(seed, prompt_ids.device, global_rng=not self.compact), \
+                torch.autocast(device_type, enabled=False):
             return hf_generate(self.copy, prompt_ids, prompt_mask, num_samples=num_samples, sampling=sampling,
                                compact=self.compact, return_logprobs=not sampling.greedy)

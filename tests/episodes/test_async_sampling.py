@@ -67,7 +67,8 @@ class StampVersion(L.Callback):
 
 
 def first_weight(module) -> torch.Tensor:
-    return next(p for p in module.policy.model.parameters() if p.requires_grad)
+    """The model's first parameter (trained in the learner; frozen in a thread worker's copy)."""
+    return next(iter(module.policy.model.parameters()))
 
 
 class StampingEngine(HFEngine):
@@ -93,11 +94,11 @@ def fit(module, steps: int, callbacks=()) -> L.Trainer:
     return trainer
 
 
-@pytest.mark.parametrize("lag", [1, 2])
-def test_each_rollout_is_labelled_with_the_weights_that_sampled_it(lag):
-    """The worker binds version max(0, t - k) for step t: the stamped token proves which weights sampled,
-    and the recorded versions agree."""
-    module = make(GRPO, sampling={"max_staleness": lag}, engine=StampingEngine(),
+@pytest.mark.parametrize(("lag", "worker"), [(1, "process"), (2, "thread")])
+def test_each_rollout_is_labelled_with_the_weights_that_sampled_it(lag, worker):
+    """The worker (a process, or a thread with its own copy of the weights) binds version max(0, t - k) for
+    step t: the stamped token proves which weights sampled, and the recorded versions agree."""
+    module = make(GRPO, sampling={"max_staleness": lag, "worker": worker}, engine=StampingEngine(),
                   optimizer=partial(torch.optim.SGD, lr=0.0))
     versions = Versions()
     fit(module, 6, [StampVersion(), versions])
@@ -109,15 +110,16 @@ def test_each_rollout_is_labelled_with_the_weights_that_sampled_it(lag):
         assert set(stamps) == {StampingEngine.STAMPS[expected + 1]}, (step, stamps)
 
 
-@pytest.mark.parametrize("slow", ["sampler", "learner"])
-def test_staleness_is_exactly_the_lag_and_nothing_is_discarded(slow, tmp_path, monkeypatch):
+@pytest.mark.parametrize(("slow", "worker"), [("sampler", "process"), ("learner", "process"),
+                                             ("sampler", "thread")])
+def test_staleness_is_exactly_the_lag_and_nothing_is_discarded(slow, worker, tmp_path, monkeypatch):
     """A slow sampler (its reward sleeps) or a slow learner (its steps sleep): either way step t trains on
     the rollout of its own batch sampled with version max(0, t - 1), and the reward scored each step's
     batch once, plus at most the lag's batches sampled ahead when the run ended."""
     log = tmp_path / "prompts.txt"
     monkeypatch.setenv(PROMPT_LOG, str(log))
     monkeypatch.setenv(SLOW_REWARD, "0.2" if slow == "sampler" else "0")
-    module = make(GRPO, sampling={"max_staleness": 1},
+    module = make(GRPO, sampling={"max_staleness": 1, "worker": worker},
                   rewards={"functions": ["test_async_sampling:logged_reward"]})
     versions = Versions(pause=0.2 if slow == "learner" else 0.0)
     trainer = fit(module, 5, [versions])
@@ -159,8 +161,41 @@ class Norms(L.Callback):
         self.seen.append((float(metrics["policy/grad_norm"]), float(metrics["policy/loss"])))
 
 
-def test_a_failing_sampler_stops_the_run_with_its_reason():
-    module = make(GRPO, sampling={"max_staleness": 1},
+class Rollouts(RLCallback):
+    """Every rollout the step trains on."""
+
+    def __init__(self) -> None:
+        self.seen = []
+
+    def on_rollout_end(self, trainer, pl_module, rollout):
+        self.seen.append(rollout)
+
+
+def test_a_thread_worker_samples_what_a_process_worker_samples():
+    """The same seeds and versions give the same rollouts, whichever worker samples them: tokens, rewards
+    and versions exactly; the engine's log-probs to float rounding (the thread samples with its own copy of
+    the weights). The learner's losses follow."""
+    seen = {}
+    for worker in ("process", "thread"):
+        module = make(GRPO, sampling={"max_staleness": 1, "worker": worker})
+        rollouts, norms = Rollouts(), Norms()
+        fit(module, 3, [rollouts, norms])
+        seen[worker] = rollouts.seen, norms.seen
+        assert module.rollouts.process is None  # stopped with the run
+    (process, process_norms), (thread, thread_norms) = seen["process"], seen["thread"]
+    assert len(process) == len(thread) == 3
+    for a, b in zip(process, thread, strict=True):
+        for name in ("completion_ids", "loss_mask", "rewards", "correct", "versions", "ref_logp"):
+            if getattr(a, name) is not None:
+                torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(b.rollout_logp, a.rollout_logp, rtol=0, atol=1e-5)
+    assert [v for pair in thread_norms for v in pair] == pytest.approx(
+        [v for pair in process_norms for v in pair], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.parametrize("worker", ["process", "thread"])
+def test_a_failing_sampler_stops_the_run_with_its_reason(worker):
+    module = make(GRPO, sampling={"max_staleness": 1, "worker": worker},
                   rewards={"functions": ["test_async_sampling:failing_reward"], "on_error": "raise"})
     with pytest.raises(RuntimeError, match="sampler worker failed sampling step 0: .*ZeroDivisionError"):
         fit(module, 3)
@@ -250,20 +285,24 @@ def test_two_ranks_with_uneven_samplers_under_ddp_and_fsdp2(rank_jobs):
 
 
 ONLINE_CONFIGS = ["grpo", "gspo", "dapo", "sapo", "rloo", "reinforce_pp", "ppo", "grpo_tools", "grpo_lora",
-                  "grpo+precision/bf16"]
+                  "grpo_lora@thread", "grpo+precision/bf16@thread"]
 
 
 @pytest.mark.parametrize("name", ONLINE_CONFIGS)
 def test_async_overlay_composes_with_every_online_config_through_the_cli(tmp_path, name):
     """configs/async.yaml over each shipped online config: the worker samples one version back (PPO's
     values, LoRA's adapters, tools, DAPO's refills and the bf16 engine's copy included), losses stay finite,
-    the worker stops."""
+    the worker stops. ``@thread``: the sampler is a thread of the learner's process (the GPU default)."""
+    name, _, worker = name.partition("@")
     configs = [arg for part in name.split("+") for arg in ("--config", CONFIGS / f"{part}.yaml")]
-    cli = run_cli("fit", *configs, "--config", CONFIGS / "async.yaml",
+    configs += ["--config", CONFIGS / "async.yaml"]
+    configs += ["--model.init_args.sampling.worker", worker] if worker else []
+    cli = run_cli("fit", *configs,
                   "--trainer.max_steps", "4", "--trainer.limit_val_batches", "0",
                   "--trainer.num_sanity_val_steps", "0", "--trainer.log_every_n_steps", "1",
                   "--trainer.logger.init_args.save_dir", tmp_path, "--trainer.enable_progress_bar", "false")
     assert cli.model.rollouts.max_staleness == 1 and cli.model.rollouts.process is None
+    assert cli.model.rollouts.worker == (worker or "auto")
     logged = scalars(tmp_path)
     staleness = [v for _, v in logged["rollout/staleness_max"]]
     assert staleness[0] == 0.0 and set(staleness[1:]) == {1.0}, staleness
