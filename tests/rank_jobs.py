@@ -67,8 +67,6 @@ JOBS: dict[str, list[dict]] = {
     "ddp/episodes": [run("episodes_fit.py", "{out}", "ddp")],
     "ddp/engine": [run("engine_sync.py", "{out}", "ddp")],
     "ddp/lora": [run("fsdp2_fit.py", "{out}", "lora", "3", STRATEGY="ddp")],
-    "ddp/async": [run("async_fit.py", "{out}", "ddp")],
-    "fsdp2/async": [run("async_fit.py", "{out}", "fsdp2")],
     "ddp/async-resume": [run("async_fit.py", "{out}/full", "ddp", "2"),
                          copy("{out}/full/ckpt/*step=2.ckpt", "{out}/resumed/ckpt"),
                          run("async_fit.py", "{out}/resumed", "ddp",

@@ -264,12 +264,14 @@ def test_resumed_async_run_continues_exactly_and_scores_each_prompt_once(tmp_pat
 
 
 @pytest.mark.distributed
-@pytest.mark.ranks("ddp/async", "fsdp2/async")
+@pytest.mark.ranks("ddp/async-resume", "fsdp2/async-resume")
 def test_two_ranks_with_uneven_samplers_under_ddp_and_fsdp2(rank_jobs):
-    """tests/async_fit.py: rank 1's worker is slow; both ranks train every step on their own batch one
-    version back, the workers stop with the run, and DDP and FSDP2 sample the same tokens every step and
-    reach the same weights (to within their reduction orders, amplified by Adam: ~5e-5 here)."""
-    results = {kind: torch.load(rank_jobs.out(f"{kind}/async") / "result.pt", weights_only=False)
+    """tests/async_fit.py (the uninterrupted run of the resume jobs): rank 1's worker is slow; both ranks
+    train every step on their own batch one version back, the workers stop with the run, and DDP and FSDP2
+    sample the same tokens every step and reach the same weights (to within their reduction orders,
+    amplified by Adam: ~5e-5 here)."""
+    results = {kind: torch.load(rank_jobs.out(f"{kind}/async-resume") / "full" / "result.pt",
+                                weights_only=False)
                for kind in ("ddp", "fsdp2")}
     for result in results.values():
         for steps in result["steps"]:  # each rank
