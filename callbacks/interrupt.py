@@ -12,6 +12,8 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_rl.callbacks.checkpoints import write_atomically
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -102,6 +104,11 @@ class CheckpointOnInterrupt(L.Callback):
             self._wakeup = None
 
     # ---- hooks -------------------------------------------------------------------------------------
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """The checkpoint is written atomically, like ``Checkpoints``' (a second signal during the save
+        leaves ``interrupted-step=N.ckpt.partial``, never a truncated ``.ckpt``)."""
+        write_atomically(trainer.strategy)
+
     def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.requested = None
         self._install(trainer)

@@ -169,8 +169,10 @@ class LogSamples(RLCallback):
         prompts, completions = list(outputs["prompts"][:k]), list(outputs["completions"][:k])
         columns = {name: list(values[:k]) for name, values in outputs["columns"].items()}
         returns = outputs.get("returns")  # episodes: the environment's rewards, which the reward includes
+        failed = outputs.get("failed")
         rewards = pl_module.sample_rewards(prompts, completions, list(outputs["lengths"][:k]), columns,
-                                           None if returns is None else list(returns[:k]))
+                                           None if returns is None else list(returns[:k]),
+                                           None if failed is None else list(failed[:k]))
         table = markdown_table(pl_module.shown_prompts(prompts), completions, rewards,
                                list(outputs["correct"][:k]), self.max_chars, columns.get("turns"))
         self.write(trainer, "samples/val", table)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_rl.data.prompts import RowsDataModule
 from lightning_rl.data.rows import check_rows, load_rows, row_locator
@@ -93,8 +93,9 @@ class PreferenceDataModule(RowsDataModule):
         max_val_rows: validate on at most this many held-out pairs (``None``: all).
         val_fraction: hold out this fraction of the training pairs (0 < f < 1) for validation, chosen
             with ``seed``, instead of ``val_split``; the counts are logged. Not with ``val_path``.
-        skip_identical: drop pairs whose chosen and rejected completions are identical (the count is
-            logged) instead of stopping at the first one.
+        skip_identical: drop pairs whose chosen and rejected completions are identical (one warning names
+            how many and the first one's line; refused only when no pair is left); ``false``: stop at the
+            first one.
         seed: seed of the training order (and of the ``val_fraction`` split).
         shuffle: shuffle the training pairs each epoch.
     """
@@ -114,7 +115,7 @@ class PreferenceDataModule(RowsDataModule):
         val_batch_size: int = 64,
         max_val_rows: int | None = None,
         val_fraction: float = 0.0,
-        skip_identical: bool = False,
+        skip_identical: bool = True,
         seed: int = 0,
         shuffle: bool = True,
     ) -> None:
@@ -211,14 +212,18 @@ class PreferenceDataModule(RowsDataModule):
             except ValueError as err:  # locate only now: it may read the file to find the line
                 raise ValueError(f"dataset {source}, {locate(i)}: {err}") from None
         kept = [row for row in out if row is not None]
-        self.skipped_identical[part] = len(out) - len(kept)
-        if len(kept) < len(out):
-            rank_zero_info(
-                f"data.skip_identical: dropped {len(out) - len(kept)} of {len(out)} pairs of {source} "
-                "whose chosen and rejected completions are identical"
+        skipped = len(out) - len(kept)
+        self.skipped_identical[part] = skipped
+        if skipped:
+            first = locate(next(i for i, row in enumerate(out) if row is None))
+            if not kept:
+                raise ValueError(f"dataset {source}: every one of its {skipped} pairs has identical chosen "
+                                 f"and rejected completions (the first at {first}): no pair to train on")
+            rank_zero_warn(
+                f"dataset {source}: skipped {skipped} of {len(out)} pairs whose chosen and rejected "
+                f"completions are identical (the first at {first}; `data.skip_identical: false` stops at "
+                "the first instead)"
             )
-        if not kept:
-            raise ValueError(f"dataset {source} has no pairs left after `data.skip_identical`")
         return kept
 
     def _canonical(self, row: dict[str, Any], implicit: bool, answer: str | None) -> dict[str, Any] | None:
@@ -254,7 +259,7 @@ class PreferenceDataModule(RowsDataModule):
             raise ValueError(
                 f"chosen and rejected completions are identical (columns `{self.chosen_column}` / "
                 f"`{self.rejected_column}`, data.chosen_column / data.rejected_column); "
-                "set `data.skip_identical: true` to drop such pairs"
+                "set `data.skip_identical: true` (the default) to skip such pairs"
             )
         out = {**row, "prompt": prompt, "chosen": chosen, "rejected": rejected}
         if answer is not None:

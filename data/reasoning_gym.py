@@ -31,6 +31,7 @@ from typing import Any
 
 from lightning_rl.data.prompts import PromptDataModule
 from lightning_rl.episodes.environments import Environment, Observation, StepResult
+from lightning_rl.maths.checks import require
 
 INSTALL = "pip install 'lightning-rl[reasoning-gym]'"
 COLUMNS = ("rg_task", "rg_seed", "rg_size", "rg_config", "rg_index")
@@ -187,11 +188,9 @@ class ReasoningGymDataModule(PromptDataModule):
         super().__init__(batch_size=batch_size, val_batch_size=val_batch_size, seed=seed, shuffle=shuffle)
         self.task = None  # the built-in task PromptDataModule would make: unused
         self.task_name = check_task(task)
-        checks = {"size": size >= 1, "val_size": val_size >= 0,
-                  "max_question_chars": max_question_chars is None or max_question_chars >= 1}
-        for key, ok in checks.items():
-            if not ok:
-                raise ValueError(f"`data.{key}` is out of range, got {locals()[key]!r}")
+        require("data", size=(size >= 1, size, ">= 1"), val_size=(val_size >= 0, val_size, ">= 0"),
+                max_question_chars=(max_question_chars is None or max_question_chars >= 1, max_question_chars,
+                                    ">= 1 or null"))
         check_config(self.task_name, dict(config or {}))
         self.config = json.dumps(dict(config or {}), sort_keys=True)
         self.size, self.val_size, self.max_question_chars = size, val_size, max_question_chars

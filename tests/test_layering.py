@@ -20,9 +20,11 @@ CORE = sorted(
     for p in PACKAGE.rglob("*.py")
 )
 # the layers, lowest first; a module may import its own layer and those before it. `losses` at the top of
-# the package is the published contract (DESIGN.md), a maths-level module.
+# the package is the published contract (DESIGN.md), a maths-level module; `sandbox` (model-written code in
+# a limited child process) imports the standard library alone, the lowest level.
 LAYERS = ["text", "maths", "models", "step", "episodes", "algorithms", "cli"]
-LEVEL = {**{name: i for i, name in enumerate(LAYERS)}, "losses": LAYERS.index("maths")}
+LEVEL = {**{name: i for i, name in enumerate(LAYERS)}, "losses": LAYERS.index("maths"), "sandbox": 0,
+         "sandbox_child": 0}
 # the Lightning plugins: only algorithms (default callbacks, the predict writer, the row locator) and the
 # CLI name them, inside functions, so that importing the core never imports them
 PLUGINS = {"data", "callbacks"}

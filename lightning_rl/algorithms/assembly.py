@@ -25,6 +25,7 @@ from lightning_rl.episodes.runner import EpisodeRunner, episode_runner
 from lightning_rl.episodes.sampler import Sampler
 from lightning_rl.episodes.source import RolloutSource
 from lightning_rl.episodes.tool_formats import HermesFormat
+from lightning_rl.episodes.tools import load_tools
 from lightning_rl.maths.objective import Objective
 from lightning_rl.models.reward_model import RewardModelScorer
 from lightning_rl.step.engine import RolloutEngine
@@ -81,12 +82,14 @@ def rollout_source(sampler: Sampler, filters: FilterOptions, sampling: SamplingO
 def episode_stage(o: EpisodeOptions, *, tokenizer: Any, chat: bool, max_new_tokens: int,
                   max_prompt_length: int, context: int | None) -> tuple[EpisodeRunner | None, list | None]:
     """The episode runner (``None`` without an environment or tools) and, for the Hermes tool format, the
-    tool schemas the chat template renders into prompts."""
+    tool schemas the chat template renders into prompts. Unsafe tools are refused here, unless
+    ``allow_unsafe_tools`` (the runner gets the tools loaded and checked)."""
+    tools = load_tools(o.tools or [], allow_unsafe=o.allow_unsafe_tools) or None
     runner = episode_runner(
-        o.environment, o.tools, tokenizer=tokenizer, chat=chat, max_turns=o.max_turns,
+        o.environment, tools, tokenizer=tokenizer, chat=chat, max_turns=o.max_turns,
         max_new_tokens=max_new_tokens, max_episode_tokens=o.max_episode_tokens,
         max_prompt_length=max_prompt_length, context=context, tool_format=o.tool_format,
-        tool_timeout=o.tool_timeout, on_env_error=o.on_error)
+        tool_timeout=o.tool_timeout, on_env_error=o.on_error, max_error_frac=o.max_error_frac)
     if runner is not None and isinstance(runner.format, HermesFormat):
         return runner, [t.schema for t in runner.tools.values()] or None
     return runner, None
@@ -116,7 +119,8 @@ def reward_stages(o: RewardOptions, *, environment_only: bool, budget: int, rend
     functions = o.functions if o.functions is not None else (None if o.model else [DEFAULT_REWARD])
     if functions == [] and environment_only:
         functions = None
-    scorer = None if functions is None else RewardScorer(functions, o.weights, o.on_error, o.max_error_frac)
+    scorer = None if functions is None else RewardScorer(functions, o.weights, o.on_error, o.max_error_frac,
+                                                         timeout=o.timeout, isolate=o.isolate)
     if o.accuracy_fn is None and scorer is not None:
         accuracy_fn: Any = main_reward(scorer)
         accuracy_name = repr(accuracy_fn)

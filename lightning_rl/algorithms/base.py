@@ -229,6 +229,6 @@ class PolicyModule(EvaluationSteps, TrainedModule):
             done = run_episodes(self.episodes, batch, self.policy_io(), num_samples=num_samples,
                                 sampling=sampling, seed=seed, collectives=Collectives(self._trainer))
             lengths = done.generation.lengths.tolist()
-            return Completions(done.texts, lengths, done.turns, done.returns.tolist())
+            return Completions(done.texts, lengths, done.turns, done.returns.tolist(), done.failed.tolist())
         gen = self.generate(batch["prompt"], num_samples=num_samples, sampling=sampling, seed=seed)
         return Completions(self.decode(gen.completion_ids, gen.completion_mask), gen.lengths.tolist())

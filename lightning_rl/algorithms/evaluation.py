@@ -29,6 +29,7 @@ class Completions:
     lengths: list[int]
     turns: list[list[dict[str, str]]] | None = None
     returns: list[float] | None = None  # each episode's environment rewards (step + final)
+    failed: list[bool] | None = None  # episodes whose environment failed (`on_error: zero`): reward 0
 
 
 class EvaluationSteps:
@@ -49,12 +50,12 @@ class EvaluationSteps:
         completions, lengths, columns = done.texts, done.lengths, batch_columns(batch)
         if done.turns is not None:
             columns = {**columns, "turns": done.turns}
-        scores = self.correct(batch["prompt"], completions, columns)
+        scores = unless_failed(self.correct(batch["prompt"], completions, columns), done.failed, False)
         acc = torch.tensor([float(s) for s in scores], device=self.device)
         self.log_val_mean("val/accuracy", acc.mean(), weight)
         self.validation_extra(batch, done, columns, weight)
         return {"prompts": batch["prompt"], "completions": completions, "lengths": lengths, "correct": scores,
-                "columns": columns, "returns": done.returns}
+                "columns": columns, "returns": done.returns, "failed": done.failed}
 
     def correct(self, prompts: Sequence[Any], completions: list[str], columns: dict[str, list]) -> list[Any]:
         """Per-completion correctness, whose mean is ``val/accuracy``: ``correctness_fn``."""
@@ -64,17 +65,19 @@ class EvaluationSteps:
                          weight: float) -> None:
         """``val/reward_mean`` for modules with rewards (the same greedy completions' rewards)."""
         if self.reward_pipeline is not None:
-            rewards = self.sample_rewards(batch["prompt"], done.texts, done.lengths, columns, done.returns)
+            rewards = self.sample_rewards(batch["prompt"], done.texts, done.lengths, columns, done.returns,
+                                          done.failed)
             self.log_val_mean("val/reward_mean", torch.tensor(rewards).mean(), weight)
 
     def sample_rewards(self, prompts: Sequence[Any], completions: list[str], lengths: list[int],
-                       columns: dict[str, list], returns: Sequence[float] | None = None) -> list[float]:
+                       columns: dict[str, list], returns: Sequence[float] | None = None,
+                       failed: Sequence[bool] | None = None) -> list[float]:
         """The reward of each completion, for ``val/reward_mean``, predictions and sample tables: the rewards
         pipeline's, unshaped (functions, reward model, an episode's ``returns``) in RL modules, else
-        correctness as a reward (DPO, SFT)."""
+        correctness as a reward (DPO, SFT); 0 for an episode whose environment ``failed``, as in training."""
         if self.reward_pipeline is not None:
             rewards, _ = self.reward_pipeline.score(prompts, completions, lengths, columns, returns=returns)
-            return rewards.tolist()
+            return unless_failed(rewards.tolist(), failed, 0.0)
         return [float(s) for s in self.correct(prompts, completions, columns)]
 
     # ---- predict: completions of held-out prompts, scored (``lightning-rl predict``) -------------------
@@ -111,8 +114,8 @@ class EvaluationSteps:
         columns = {k: [v for v in values for _ in range(n)] for k, values in data.items()}
         if done.turns is not None:
             columns["turns"] = done.turns
-        rewards = self.sample_rewards(prompts, completions, lengths, columns, done.returns)
-        correct = self.correct(prompts, completions, columns)
+        rewards = self.sample_rewards(prompts, completions, lengths, columns, done.returns, done.failed)
+        correct = unless_failed(self.correct(prompts, completions, columns), done.failed, False)
         weights = batch.get(VAL_WEIGHT_KEY) or [1.0] * len(batch["prompt"])
         index = batch.get(ROW_INDEX_KEY) or [None] * len(batch["prompt"])  # None: not from our DataModules
         rows = []
@@ -127,3 +130,10 @@ class EvaluationSteps:
                          "correct": bool(correct[i]), "length": int(lengths[i])})
         return rows
 
+
+
+def unless_failed(values: Sequence[Any], failed: Sequence[bool] | None, instead: Any) -> list[Any]:
+    """``values`` with ``instead`` where the episode's environment ``failed`` (``None``: none did)."""
+    if failed is None:
+        return list(values)
+    return [instead if f else v for v, f in zip(values, failed, strict=True)]

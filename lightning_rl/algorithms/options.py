@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from lightning_rl.episodes.environments import Environment
 from lightning_rl.maths.aggregation import Aggregation
+from lightning_rl.maths.checks import require as require_in
 from lightning_rl.maths.penalties import KLEstimator
 from lightning_rl.maths.ratio_levels import RatioLevel
 from lightning_rl.maths.trust_regions import TrustRegion
@@ -22,11 +23,10 @@ from lightning_rl.step.logprobs import BehaviourSource
 OnError = Literal["raise", "zero"]
 
 
-def require(group: str, **checks: tuple[bool, Any]) -> None:
-    """Raise ``ValueError`` naming ``model.<group>.<key>`` for the first check that fails."""
-    for key, (ok, value) in checks.items():
-        if not ok:
-            raise ValueError(f"`model.{group}.{key}` is out of range, got {value!r}")
+def require(group: str, **checks: tuple[bool, Any, str]) -> None:
+    """Raise ``ValueError`` naming ``model.<group>.<key>``, its valid range and the value, for the first
+    check ``key=(ok, value, expected)`` that fails."""
+    require_in(f"model.{group}", **checks)
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class PolicyOptions:
     fsdp_reduce_dtype: str | None = None
 
     def __post_init__(self) -> None:
-        require("policy", max_prompt_length=(self.max_prompt_length >= 1, self.max_prompt_length))
+        require("policy", max_prompt_length=(self.max_prompt_length >= 1, self.max_prompt_length, ">= 1"))
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class ValidationOptions:
     accuracy_fn: str | None = None
 
     def __post_init__(self) -> None:
-        require("validation", max_new_tokens=(self.max_new_tokens >= 1, self.max_new_tokens))
+        require("validation", max_new_tokens=(self.max_new_tokens >= 1, self.max_new_tokens, ">= 1"))
 
 
 @dataclass(frozen=True)
@@ -120,13 +120,15 @@ class SamplingOptions:
     worker: str = "auto"
 
     def __post_init__(self) -> None:
-        require("sampling", num_generations=(self.num_generations >= 1, self.num_generations),
-                max_new_tokens=(self.max_new_tokens >= 1, self.max_new_tokens),
-                temperature=(self.temperature > 0, self.temperature),
-                top_p=(0 < self.top_p <= 1, self.top_p), top_k=(self.top_k >= 0, self.top_k),
-                max_staleness=(self.max_staleness >= 0, self.max_staleness),
-                worker_threads=(self.worker_threads >= 1, self.worker_threads),
-                worker=(self.worker in ("auto", "process", "thread"), self.worker))
+        require("sampling", num_generations=(self.num_generations >= 1, self.num_generations, ">= 1"),
+                max_new_tokens=(self.max_new_tokens >= 1, self.max_new_tokens, ">= 1"),
+                temperature=(self.temperature > 0, self.temperature, "> 0"),
+                top_p=(0 < self.top_p <= 1, self.top_p, "in (0, 1]"),
+                top_k=(self.top_k >= 0, self.top_k, ">= 0 (0: off)"),
+                max_staleness=(self.max_staleness >= 0, self.max_staleness, ">= 0 (0: synchronous)"),
+                worker_threads=(self.worker_threads >= 1, self.worker_threads, ">= 1"),
+                worker=(self.worker in ("auto", "process", "thread"), self.worker,
+                        "one of auto, process, thread"))
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,11 @@ class RewardOptions:
             ``None`` or 0: off; ``auto``: a fifth of the budget, at least 1. Logged as
             ``rollout/overlong_penalty_mean``.
         overlong_penalty_factor: weight of the overlong penalty added to the reward.
+        timeout: seconds each reward function may take on a batch (the functions run at once, plain ones
+            in threads, ``async def`` ones awaited); a slower one fails on every sample of the batch
+            (``on_error`` decides). ``None``: no limit.
+        isolate: reward functions (import paths from ``functions``, or ``true``: all) run in worker processes
+            that are killed on timeout (a timed-out thread cannot be stopped).
     """
 
     functions: list[str] | None = None
@@ -164,9 +171,12 @@ class RewardOptions:
     max_error_frac: float = 0.5
     overlong_buffer: int | Literal["auto"] | None = None
     overlong_penalty_factor: float = 1.0
+    timeout: float | None = None
+    isolate: bool | list[str] = False
 
     def __post_init__(self) -> None:
-        require("rewards", max_error_frac=(0 <= self.max_error_frac <= 1, self.max_error_frac))
+        require("rewards", max_error_frac=(0 <= self.max_error_frac <= 1, self.max_error_frac, "in [0, 1]"),
+                timeout=(self.timeout is None or self.timeout > 0, self.timeout, "> 0 or null"))
 
 
 @dataclass(frozen=True)
@@ -184,9 +194,15 @@ class EpisodeOptions:
             that would pass it ends ``truncated``. ``None``: ``max_turns * max_new_tokens``.
         tool_format: ``auto`` (Hermes ``<tool_call>`` JSON through a chat template that supports tools, else
             the plain ``<tool>name(args)</tool>`` format), ``hermes`` or ``plain``.
-        tool_timeout: seconds a tool call may take; a slower call answers an error observation.
+        tool_timeout: seconds a tool call may take; a slower call answers an error observation and its worker
+            process is killed.
+        allow_unsafe_tools: accept tools that run commands, evaluate code or delete files (``os:system``,
+            ``subprocess:run``, ``builtins:eval``...); run model-written code in
+            ``lightning_rl.sandbox:python`` instead.
         on_error: ``raise`` stops on an environment exception, naming it and the episode; ``zero`` ends the
             episode with return 0 and counts it in ``rollout/env_errors``.
+        max_error_frac: with ``on_error: zero``, stop when more than this fraction of a step's episodes (all
+            ranks) failed; a failed episode's reward is 0 whatever the reward functions say.
     """
 
     environment: Environment | None = None
@@ -195,7 +211,12 @@ class EpisodeOptions:
     max_episode_tokens: int | None = None
     tool_format: Literal["auto", "hermes", "plain"] = "auto"
     tool_timeout: float = 10.0
+    allow_unsafe_tools: bool = False
     on_error: OnError = "raise"
+    max_error_frac: float = 0.5
+
+    def __post_init__(self) -> None:
+        require("episodes", max_error_frac=(0 <= self.max_error_frac <= 1, self.max_error_frac, "in [0, 1]"))
 
     @property
     def enabled(self) -> bool:
@@ -244,10 +265,10 @@ class ObjectiveOptions:
     entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
-        require("objective", kl_coef=(self.kl_coef >= 0, self.kl_coef),
-                entropy_coef=(self.entropy_coef >= 0, self.entropy_coef),
-                kl_horizon=(self.kl_horizon >= 1, self.kl_horizon),
-                kl_target=(self.kl_target is None or self.kl_target > 0, self.kl_target))
+        require("objective", kl_coef=(self.kl_coef >= 0, self.kl_coef, ">= 0"),
+                entropy_coef=(self.entropy_coef >= 0, self.entropy_coef, ">= 0"),
+                kl_horizon=(self.kl_horizon >= 1, self.kl_horizon, ">= 1"),
+                kl_target=(self.kl_target is None or self.kl_target > 0, self.kl_target, "> 0 or null"))
         if self.kl_target is not None and not (self.kl_in_reward and self.kl_coef > 0):
             raise ValueError("`model.objective.kl_target` (adaptive KL) needs `model.objective.kl_in_reward: "
                              "true` and `model.objective.kl_coef` > 0")
@@ -273,7 +294,7 @@ class FilterOptions:
     extra: list[RolloutFilter] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        require("filters", max_gen_batches=(self.max_gen_batches >= 1, self.max_gen_batches))
+        require("filters", max_gen_batches=(self.max_gen_batches >= 1, self.max_gen_batches, ">= 1"))
 
 
 @dataclass(frozen=True)
@@ -309,7 +330,7 @@ class UpdateOptions:
 
     def __post_init__(self) -> None:
         mbs, norm = self.micro_batch_size, self.max_grad_norm
-        require("update", epochs=(self.epochs >= 1, self.epochs),
-                num_minibatches=(self.num_minibatches >= 1, self.num_minibatches),
-                micro_batch_size=(mbs is None or mbs >= 1, mbs),
-                max_grad_norm=(norm is None or norm > 0, norm))
+        require("update", epochs=(self.epochs >= 1, self.epochs, ">= 1"),
+                num_minibatches=(self.num_minibatches >= 1, self.num_minibatches, ">= 1"),
+                micro_batch_size=(mbs is None or mbs >= 1, mbs, ">= 1 or null"),
+                max_grad_norm=(norm is None or norm > 0, norm, "> 0 or null"))

@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_rl.algorithms.ahead import start_worker
 from lightning_rl.models.adapters import trainable_parameters
@@ -29,6 +30,7 @@ from lightning_rl.models.sharding import (
     shard_policy_model,
     start_deepspeed_micro_batch,
 )
+from lightning_rl.step.filters import DynamicSampling
 from lightning_rl.step.metrics import StepMetrics
 from lightning_rl.step.rollout import Rollout, rollout_stats
 from lightning_rl.step.update import TrainedModel, UpdateHooks, Updater
@@ -97,6 +99,10 @@ class ManualSteps:
             self._reference.to(self.device)
         if self.reward_pipeline.reward_model is not None:
             self.reward_pipeline.reward_model.to(self.device)
+        filters = getattr(self.rollouts, "source", self.rollouts).filters
+        if any(isinstance(f, DynamicSampling) for f in filters):
+            rank_zero_info("dynamic sampling keeps the groups whose samples' outcomes differ; the outcome: "
+                           f"{self.reward_pipeline.outcome_name()}")
 
     def on_train_start(self) -> None:
         super().on_train_start()  # after a resumed checkpoint's weights and RNG: the worker starts from them

@@ -16,9 +16,9 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_rl.algorithms.input_checks import warn_if_lr_is_zero
+from lightning_rl.algorithms.input_checks import InputError, warn_if_lr_is_zero
 from lightning_rl.algorithms.presets import with_changes
-from lightning_rl.models.adapters import trainable_parameters
+from lightning_rl.models.adapters import is_peft_model, trainable_parameters
 from lightning_rl.models.sharding import refuse_fsdp1, shard_policy_model, strategy_is
 from lightning_rl.step.rng import collect_rng_states, restore_rng_states
 
@@ -110,6 +110,7 @@ class TrainedModule(L.LightningModule):
         writes the checkpoint rank 0 built (one metadata file under sharded checkpoints too), so the other
         ranks' states are gathered into it (every rank builds the checkpoint, so all join the gather)."""
         checkpoint["rng_states"] = collect_rng_states()
+        checkpoint["policy_peft"] = is_peft_model(self.policy.model)  # what `on_load_checkpoint` checks
         trainer = self._trainer
         if trainer is not None and trainer.world_size > 1 and torch.distributed.is_initialized():
             by_rank: list[Any] = [None] * trainer.world_size
@@ -118,9 +119,15 @@ class TrainedModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Each rank restores its own RNG states when resumed on the same world size; otherwise the saved
-        rank's (rank 0's)."""
-        by_rank = checkpoint.get("rng_states_by_rank")
+        rank's (rank 0's). A checkpoint of LoRA adapters resumed without ``model.policy.peft`` (or of a full
+        model resumed with it) is refused in one line, before its weights are loaded."""
         trainer = self._trainer
+        saved = checkpoint.get("policy_peft", saved_with_adapters(checkpoint.get("state_dict")))
+        mismatch = adapters_mismatch(saved, is_peft_model(self.policy.model))
+        if mismatch is not None:
+            path = getattr(trainer, "ckpt_path", None) if trainer is not None else None
+            raise InputError(f"the checkpoint{f' {path}' if path else ''} {mismatch}")
+        by_rank = checkpoint.get("rng_states_by_rank")
         if by_rank and trainer is not None and len(by_rank) == trainer.world_size:
             self._rng_states = by_rank[trainer.global_rank]
         else:
@@ -213,6 +220,27 @@ class TrainedModule(L.LightningModule):
             self.policy.save_pretrained(path, merged=True)
         else:
             self.policy.save_pretrained(path)
+
+
+def saved_with_adapters(state_dict: dict[str, Any] | None) -> bool | None:
+    """Whether a checkpoint's weights are a PEFT policy's (named ``policy.model.base_model...``), for
+    checkpoints older than its ``policy_peft`` entry; None when it holds no policy weights (a sharded
+    folder's, which the strategy loads itself)."""
+    names = [k for k in state_dict or () if k.startswith("policy.model.")]
+    return any(k.startswith("policy.model.base_model.") for k in names) if names else None
+
+
+def adapters_mismatch(saved_peft: bool | None, peft_now: bool) -> str | None:
+    """Why a checkpoint saved with (``saved_peft``) or without PEFT adapters does not fit this policy, with
+    (``peft_now``) or without them; None when it fits or is not known."""
+    if saved_peft is None or saved_peft == peft_now:
+        return None
+    if saved_peft:
+        return ("holds PEFT (LoRA) adapters, saved by a run with `model.policy.peft`, but this config has no "
+                "`model.policy.peft`: resume it with the `model.policy.peft` of the run that saved it")
+    return ("holds a full model's weights, saved by a run without `model.policy.peft`, but this config sets "
+            "`model.policy.peft`: resume it without `model.policy.peft` (to train adapters on these "
+            "weights, start a new run from its exported policy folder)")
 
 
 def has_callback(trainer: L.Trainer, kind: type) -> bool:

@@ -10,8 +10,9 @@
 Models and DataModules are chosen by ``class_path`` (subclass mode), YAML is parsed with omegaconf so
 ``${...}`` interpolation works, each run's full config is saved next to its TensorBoard logs (a new
 ``version_N`` folder per run, so nothing is overwritten) and logged as its hyperparameters, and TensorBoard
-is the default logger. ``--ckpt_path last`` resumes the newest checkpoint of the experiment (the logger's
-``save_dir``/``name``, across its version folders) into a new version folder. ``predict`` takes its settings
+is the default logger. ``--ckpt_path last`` resumes the newest readable checkpoint of the experiment (the
+logger's ``save_dir``/``name``, across its version folders; a newer one cut short by a kill is skipped with
+a line naming it) into a new version folder. ``predict`` takes its settings
 (``--predictions.output``, ``--predictions.num_generations``, ``--predictions.temperature``) from
 :class:`~lightning_rl.callbacks.WritePredictions`, which writes ``<log_dir>/predictions.jsonl``.
 """
@@ -47,7 +48,7 @@ from lightning_rl.cli.resume import (
     CheckpointWriteError,
     earlier_run_in_folder,
     naming_the_file,
-    newest_checkpoint,
+    newest_readable_checkpoint,
 )
 
 DEFAULT_LOGGER = {
@@ -177,10 +178,18 @@ def checkpoint_folders(trainer: L.Trainer) -> list[str]:
 
 
 def find_last_checkpoint(trainer: L.Trainer) -> str:
-    """The newest ``*.ckpt`` (by modification time) in :func:`checkpoint_folders`: a file, or a folder
-    holding a sharded checkpoint (FSDP2's distributed checkpoint, DeepSpeed's)."""
+    """The newest readable ``*.ckpt`` (by modification time) in :func:`checkpoint_folders`: a file, or a
+    folder holding a sharded checkpoint (FSDP2's distributed checkpoint, DeepSpeed's). A newer one that cannot
+    be read (a save cut short) is skipped with one line naming it; when none can be read, the error names
+    each."""
     folders = checkpoint_folders(trainer)
-    found = newest_checkpoint(folders)
+    found, skipped = newest_readable_checkpoint(folders)
+    for path, problem in skipped:
+        rank_zero_info(f"`--ckpt_path last`: skipping {path}: {problem}")
+    if found is None and skipped:
+        unreadable = "; ".join(f"{path} ({problem})" for path, problem in skipped)
+        where = " or ".join(folders)
+        raise ConfigError(f"`--ckpt_path last`: no readable checkpoint in {where}: {unreadable}")
     if found is None:
         raise ConfigError(f"`--ckpt_path last`: no checkpoint to resume in {' or '.join(folders)}")
     return found

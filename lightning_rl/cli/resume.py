@@ -1,10 +1,12 @@
-"""Resuming a run: the newest checkpoint of an experiment (files and sharded folders), a cheap look inside a
-checkpoint file before Lightning loads it, and the file a failed checkpoint save was writing.
+"""Resuming a run: the newest readable checkpoint of an experiment (files and sharded folders), a cheap look
+inside a checkpoint before Lightning loads it, and the file a failed checkpoint save was writing.
 
 A checkpoint is a file written by ``torch.save`` (single process, DDP, FSDP2 with
 ``save_distributed_checkpoint: false``) or a folder named like one: FSDP2's distributed checkpoint (one
 ``*.distcp`` shard per rank, ``.metadata`` and Lightning's ``meta.pt``) and DeepSpeed's (``latest`` and a
-``checkpoint/`` folder of per-rank states).
+``checkpoint/`` folder of per-rank states). ``lightning_rl.callbacks.checkpoints.write_atomically`` writes
+them under ``<name>.partial`` and renames them into place; a folder it was swapping when killed is left as
+``<name>.previous``, which counts as a checkpoint here while ``<name>`` is missing.
 """
 
 from __future__ import annotations
@@ -31,10 +33,13 @@ def is_checkpoint_folder(path: str) -> bool:
 
 def checkpoints_in(folders: Iterable[str]) -> list[str]:
     """Every ``*.ckpt`` in ``folders`` (glob patterns allowed): files, and folders that hold a sharded
-    checkpoint (a folder still being written, without its markers yet, is left out)."""
+    checkpoint (a folder without any of its markers, not a checkpoint at all, is left out); and each
+    ``*.ckpt.previous`` whose ``*.ckpt`` is missing (a kill between the two renames of a folder swap)."""
     found = []
     for folder in folders:
-        for path in glob.glob(os.path.join(folder, "*.ckpt")):
+        previous = [p for p in glob.glob(os.path.join(folder, "*.ckpt.previous"))
+                    if not os.path.lexists(p.removesuffix(".previous"))]
+        for path in [*glob.glob(os.path.join(folder, "*.ckpt")), *previous]:
             if os.path.isfile(path) or is_checkpoint_folder(path):
                 found.append(path)
     return found
@@ -45,6 +50,39 @@ def newest_checkpoint(folders: Iterable[str]) -> str | None:
     last shard written sets), or None."""
     found = checkpoints_in(folders)
     return max(found, key=os.path.getmtime) if found else None
+
+
+def newest_readable_checkpoint(folders: Iterable[str]) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest checkpoint in ``folders`` that can be resumed (None: none can), and ``(path, why not)`` for
+    each newer one that cannot (:func:`checkpoint_problem`), newest first."""
+    skipped = []
+    for path in sorted(checkpoints_in(folders), key=os.path.getmtime, reverse=True):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, skipped
+        skipped.append((path, problem))
+    return None, skipped
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """Why the checkpoint ``path``, a file or a sharded folder, cannot be resumed, or None when it can."""
+    return folder_problem(path) if os.path.isdir(path) else checkpoint_file_problem(path)
+
+
+def folder_problem(path: str) -> str | None:
+    """Why the sharded checkpoint folder ``path`` is not whole, or None: DeepSpeed's needs ``latest`` and
+    ``checkpoint/``; FSDP2's needs ``.metadata`` (written after every shard) and a readable ``meta.pt``
+    (written last). The shards themselves are not read."""
+    names = set(os.listdir(path))
+    deepspeed = "latest" in names or "checkpoint" in names
+    markers = ("latest", "checkpoint") if deepspeed else (".metadata", "meta.pt")
+    missing = [m for m in markers if m not in names]
+    if missing:
+        return f"a sharded checkpoint folder without {' or '.join(missing)} (its save was cut short?)"
+    if deepspeed:
+        return None
+    problem = checkpoint_file_problem(os.path.join(path, "meta.pt"))
+    return None if problem is None else f"its meta.pt: {problem}"
 
 
 def checkpoint_file_problem(path: str) -> str | None:

@@ -8,6 +8,11 @@ rewrites history (drops earlier ``<think>`` blocks, say) cannot change what is t
 :class:`~lightning_rl.models.generation.Generation` whose completion is the whole episode after the prompt:
 ``completion_mask`` holds every token (the context), ``model_mask`` only the sampled ones (the loss).
 
+Contract: every return of the environment's ``reset``, ``step`` and ``final_reward`` is checked
+(:func:`~lightning_rl.episodes.environments.checked_step` and its siblings), and so is the length of a prompt
+``reset`` returned; a violation names the class, the method and the episode, and fails the episode like an
+exception (``on_error``). Observations are cut to what the episode can still hold before they are tokenised.
+
 Collectives: each turn every rank makes one all-reduce of its number of unfinished episodes and stops when
 the sum is 0, so ranks whose episodes take different numbers of turns make the same calls; where generation
 is itself a collective (sharded weights), a rank with no unfinished episode still generates for a
@@ -16,6 +21,7 @@ placeholder row.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -24,25 +30,37 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from lightning_rl.episodes.env_failures import EnvironmentFailures
 from lightning_rl.episodes.environments import (
+    ContractError,
     Environment,
     Episode,
     EpisodeBatch,
-    EpisodeError,
     Observation,
     Turn,
+    checked_final_reward,
+    checked_reset,
+    checked_step,
+    episode_stats,
+    episodes_generation,
 )
 from lightning_rl.episodes.tool_formats import ToolFormat, chat_suffix
 from lightning_rl.episodes.tool_formats import tool_format as make_tool_format
 from lightning_rl.episodes.tools import Tool, ToolCall, ToolResult, execute, load_tools
+from lightning_rl.maths.checks import require
 from lightning_rl.models.generation import Generation, SamplingParams
 from lightning_rl.text.pairs import pad_rows
+
+# An observation is tokenised from its first (room left x this) characters, 4x more while that holds fewer
+# tokens than the room, so a huge tool result costs about the tokens the episode could still keep.
+CHARS_PER_TOKEN = 16
 
 
 def episode_runner(environment: Environment | None, tools: list[str] | None, *, tokenizer: Any,
                    chat: bool, max_turns: int, max_new_tokens: int, max_episode_tokens: int | None,
                    max_prompt_length: int, context: int | None, tool_format: str, tool_timeout: float,
-                   on_env_error: Literal["raise", "zero"]) -> EpisodeRunner | None:
+                   on_env_error: Literal["raise", "zero"],
+                   max_error_frac: float = 0.5) -> EpisodeRunner | None:
     """The runner for ``OnlineRL``'s episode keys, or ``None`` when there is neither an environment nor tools
     (single-turn rollouts). ``context``: the model's longest sequence, which prompt + episode must fit."""
     if environment is None and not tools:
@@ -61,7 +79,8 @@ def episode_runner(environment: Environment | None, tools: list[str] | None, *, 
                          f"context of {context} tokens")
     return EpisodeRunner(environment, load_tools(tools or []), make_tool_format(tool_format, tokenizer, chat),
                          tokenizer, chat=chat, max_turns=max_turns, max_episode_tokens=budget,
-                         tool_timeout=tool_timeout, on_env_error=on_env_error)
+                         tool_timeout=tool_timeout, on_env_error=on_env_error, max_error_frac=max_error_frac,
+                         max_prompt_length=max_prompt_length)
 
 
 class EpisodeRunner:
@@ -76,24 +95,28 @@ class EpisodeRunner:
         max_turns: model turns per episode, at least 1.
         max_episode_tokens: tokens after the prompt (model and observation tokens), at least 1.
         tool_timeout: seconds a tool call may take before it answers an error.
-        on_env_error: ``raise`` stops on an environment exception; ``zero`` ends that episode with return 0
-            and counts it (``rollout/env_errors``).
+        on_env_error: ``raise`` stops on an environment's exception or contract violation; ``zero`` ends
+            that episode with return 0 (its reward is 0 whatever the reward functions say) and counts it
+            (``rollout/env_errors``).
+        max_error_frac: under ``zero``, the largest fraction of a step's episodes that may fail before
+            :meth:`check_failures` stops the run (1.0: any).
+        max_prompt_length: named when a prompt returned by ``reset`` is too long (``model.policy``'s key).
     """
 
     def __init__(self, environment: Environment | None, tools: Sequence[Tool], tool_format: ToolFormat,
                  tokenizer: Any, *, chat: bool = False, max_turns: int = 4, max_episode_tokens: int = 256,
-                 tool_timeout: float = 10.0, on_env_error: Literal["raise", "zero"] = "raise") -> None:
-        checks = {"max_turns": (max_turns >= 1, max_turns),
-                  "max_episode_tokens": (max_episode_tokens >= 1, max_episode_tokens),
-                  "tool_timeout": (tool_timeout > 0, tool_timeout),
-                  "on_error": (on_env_error in ("raise", "zero"), on_env_error)}
-        for key, (ok, value) in checks.items():
-            if not ok:
-                raise ValueError(f"`model.episodes.{key}` is out of range, got {value!r}")
+                 tool_timeout: float = 10.0, on_env_error: Literal["raise", "zero"] = "raise",
+                 max_error_frac: float = 0.5, max_prompt_length: int | None = None) -> None:
+        require("model.episodes", max_turns=(max_turns >= 1, max_turns, ">= 1"),
+                max_episode_tokens=(max_episode_tokens >= 1, max_episode_tokens, ">= 1"),
+                tool_timeout=(tool_timeout > 0, tool_timeout, "> 0 (seconds)"),
+                on_error=(on_env_error in ("raise", "zero"), on_env_error, "one of raise, zero"),
+                max_error_frac=(0.0 <= max_error_frac <= 1.0, max_error_frac, "in [0, 1]"))
         self.environment, self.tools = environment, {t.name: t for t in tools}
         self.format, self.tokenizer, self.chat = tool_format, tokenizer, chat
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
-        self.tool_timeout, self.on_env_error = tool_timeout, on_env_error
+        self.tool_timeout, self.max_prompt_length = tool_timeout, max_prompt_length
+        self.failures = EnvironmentFailures(self.env_name, on_env_error, max_error_frac)
 
     @property
     def env_name(self) -> str:
@@ -129,8 +152,8 @@ class EpisodeRunner:
             for ep, j in zip(active, rows, strict=True):
                 self.take_turn(ep, gen, j, last=turn == self.max_turns - 1)
         self.finish_episodes(episodes)
-        generation = self.to_generation(episodes, prompt_ids, prompt_mask)
-        return EpisodeBatch(generation, episodes, self.stats(episodes, time.perf_counter() - start))
+        generation = episodes_generation(episodes, prompt_ids, prompt_mask, self.tokenizer.pad_token_id)
+        return EpisodeBatch(generation, episodes, episode_stats(episodes, time.perf_counter() - start))
 
     # ---- turns ---------------------------------------------------------------------------------------
     def start_episodes(self, rows: list[dict[str, Any]], num_samples: int) -> list[Episode]:
@@ -139,8 +162,9 @@ class EpisodeRunner:
         episodes = [Episode(row, self.environment.spawn() if self.environment else None, i * num_samples + k)
                     for i, row in enumerate(rows) for k in range(num_samples)]
         for ep in episodes:
-            first = self.guarded(ep, "reset", lambda ep=ep: ep.env.reset(ep.row) if ep.env else None)
-            ep.prompt = first if first is not None else ep.row["prompt"]
+            first = self.guarded(ep, "reset", lambda ep=ep: checked_reset(ep.env.reset(ep.row)) if ep.env
+                                 else None)
+            ep.prompt, ep.prompt_from_env = (first, True) if first is not None else (ep.row["prompt"], False)
         return episodes
 
     def finish_episodes(self, episodes: list[Episode]) -> None:
@@ -148,8 +172,9 @@ class EpisodeRunner:
         for ep in episodes:
             ep.done = True
             if ep.env is not None and not ep.failed:
-                final = self.guarded(ep, "final_reward", lambda ep=ep: ep.env.final_reward(ep))
-                ep.rewards.append(float(final or 0.0))
+                final = self.guarded(ep, "final_reward",
+                                     lambda ep=ep: checked_final_reward(ep.env.final_reward(ep)))
+                ep.rewards.append(0.0 if final is None else final)
             if ep.failed:
                 ep.rewards = [0.0]
 
@@ -159,8 +184,41 @@ class EpisodeRunner:
         ``num_samples`` times, when the group's prompts are equal (the usual case); one per episode else."""
         shared = all(ep.prompt == episodes[ep.index - ep.index % num_samples].prompt for ep in episodes)
         n = num_samples if shared else 1
-        ids, mask = encode([ep.prompt for ep in episodes[::n]])
+        try:
+            ids, mask = encode([ep.prompt for ep in episodes[::n]])
+        except ValueError:
+            if not self.reject_long_prompts(episodes, encode):
+                raise  # a data row's prompt: the module's error names it
+            return self.encode_prompts(episodes, num_samples, encode)
         return ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0), ids, mask, n
+
+    def reject_long_prompts(self, episodes: list[Episode], encode: Callable) -> bool:
+        """After ``encode`` refused a batch: fail each episode whose prompt from ``reset`` it refuses alone
+        (``raise``: stop, naming the environment, the episode and the prompt's length; ``zero``: the
+        episode fails and keeps its row's prompt). Whether any was the environment's."""
+        refused: dict[str, str | None] = {}  # repr(prompt) -> encode's error, None when accepted
+        for ep in episodes:
+            if not ep.prompt_from_env:
+                continue
+            key = repr(ep.prompt)
+            if key not in refused:
+                try:
+                    encode([ep.prompt])
+                    refused[key] = None
+                except ValueError as err:
+                    refused[key] = str(err)
+            if refused[key] is not None:
+                self.failures.fail(ep, "reset", self.long_prompt(refused[key]))
+                ep.prompt, ep.prompt_from_env = ep.row["prompt"], False
+        return any(error is not None for error in refused.values())
+
+    def long_prompt(self, error: str) -> ContractError:
+        """The violation of a prompt ``encode`` refused with ``error`` (its length when the error says it)."""
+        length = re.search(r"(\d+) tokens", error)
+        limit = "`model.policy.max_prompt_length`" + (f"={self.max_prompt_length}"
+                                                      if self.max_prompt_length is not None else "")
+        got = f"a prompt of {length.group(1)} tokens" if length else f"a prompt the policy refused ({error})"
+        return ContractError(got, f"at most {limit} tokens")
 
     def contexts(self, episodes: list[Episode], prompts: list[list[int]]) -> tuple[Tensor, Tensor]:
         """Left-padded ids of each episode so far: its prompt ids, then every turn's ids as appended."""
@@ -189,12 +247,27 @@ class EpisodeRunner:
         role, observation = self.answer(ep, text)
         ep.env_time += time.perf_counter() - start
         if observation:
-            obs_ids = self.tokenizer(observation, add_special_tokens=False)["input_ids"]
-            if ep.num_tokens + len(obs_ids) >= self.max_episode_tokens:  # no room left to answer it
+            obs_ids = self.observation_ids(observation, self.max_episode_tokens - ep.num_tokens)
+            if obs_ids is None:  # no room left to answer it
                 ep.truncated = ep.done = True
             else:
                 ep.turns.append(Turn(role, observation, obs_ids))
         ep.done = ep.done or last
+
+    def observation_ids(self, observation: str, room: int) -> list[int] | None:
+        """The observation's ids when fewer than ``room`` tokens (the model must still answer), else ``None``.
+
+        Only a prefix is tokenised: ``room * CHARS_PER_TOKEN`` characters, 4x more while that prefix holds
+        fewer than ``room`` tokens and is not the whole text; a prefix of ``room`` tokens or more means the
+        whole cannot fit. A 10 MB tool result costs the tokens of a few kilobytes."""
+        limit = max(1, room) * CHARS_PER_TOKEN
+        while True:
+            ids = self.tokenizer(observation[:limit], add_special_tokens=False)["input_ids"]
+            if len(ids) >= room:
+                return None
+            if limit >= len(observation):
+                return ids
+            limit *= 4
 
     def answer(self, ep: Episode, text: str) -> tuple[str, str | None]:
         """``(role, observation text)`` for a model turn: tool results when it calls tools, else the
@@ -205,14 +278,15 @@ class EpisodeRunner:
                        for c in calls]
             ep.tool_calls += len(results)
             ep.tool_errors += sum(isinstance(r, ToolResult) and r.error for r in results)
+            ep.tool_timeouts += sum(isinstance(r, ToolResult) and r.timed_out for r in results)
             return "tool", self.format.render_results(results, self.tokenizer)
         if ep.env is None:
             ep.done = True
             return "environment", None
-        result = self.guarded(ep, "step", lambda: ep.env.step(text))
+        result = self.guarded(ep, "step", lambda: checked_step(ep.env.step(text)))
         if result is None:
             return "environment", None
-        ep.rewards.append(float(result.reward))
+        ep.rewards.append(result.reward)
         if "correct" in result.info:
             ep.correct = bool(result.info["correct"])
         ep.done = bool(result.done)
@@ -231,58 +305,16 @@ class EpisodeRunner:
         return "".join(str(m.get("content", "")) for m in observation)
 
     def guarded(self, ep: Episode, what: str, fn: Callable[[], Any]) -> Any:
-        """``fn()``; an exception stops the run naming the environment and episode (``raise``) or ends the
-        episode with return 0, counted (``zero``)."""
-        try:
-            return fn()
-        except Exception as err:  # noqa: BLE001 - re-raised with the environment named, or counted
-            where = f"episode {ep.index} (prompt {str(ep.row.get('prompt'))[:80]!r})"
-            message = f"environment `{self.env_name}` raised {type(err).__name__} in {what} of {where}: {err}"
-            if self.on_env_error == "raise":
-                raise EpisodeError(message + "; set `model.episodes.on_error: zero` to score such episodes 0 "
-                                   "instead") from err
-            ep.failed = ep.done = True
-            ep.error = message
-            return None
+        """``fn()`` (the environment's method ``what``), failing the episode on an exception: see
+        :class:`~lightning_rl.episodes.env_failures.EnvironmentFailures`."""
+        return self.failures.guarded(ep, what, fn)
+
+    def check_failures(self, batch: EpisodeBatch, collectives: Any = None, decide: bool = True) -> None:
+        """Stop a step with too many failed episodes, or warn once: :meth:`EnvironmentFailures.check`."""
+        self.failures.check(batch, collectives, decide)
 
     def any_active(self, local: int, collectives: Any, device: torch.device) -> bool:
         """Whether any rank has an unfinished episode: one all-reduce per turn on every rank."""
         if collectives is None or collectives.world_size == 1:
             return local > 0
         return bool(collectives.sum(torch.tensor(float(local), device=device)) > 0)
-
-    # ---- results -------------------------------------------------------------------------------------
-    def to_generation(self, episodes: list[Episode], prompt_ids: Tensor, prompt_mask: Tensor) -> Generation:
-        """The episodes as one right-padded completion each: every token in ``completion_mask``, the sampled
-        ones in ``model_mask``; ``rollout_logp`` when every sampled turn carried the engine's log-probs."""
-        pad, device = self.tokenizer.pad_token_id, prompt_ids.device
-        seqs = [[i for t in ep.turns for i in t.ids] or [pad] for ep in episodes]
-        ids, mask = pad_rows(seqs, pad, left=False)
-        model = [[int(t.role == "assistant") for t in ep.turns for _ in t.ids] or [0] for ep in episodes]
-        model_mask, _ = pad_rows(model, 0, left=False)
-        mask = mask * torch.tensor([float(bool(ep.turns)) for ep in episodes]).long()[:, None]
-        logp = None
-        if all(t.logp is not None for ep in episodes for t in ep.turns if t.role == "assistant"):
-            rows = [[x for t in ep.turns for x in (t.logp or [0.0] * len(t.ids))] or [0.0] for ep in episodes]
-            logp = pad_float(rows).to(device)
-        truncated = torch.tensor([ep.truncated for ep in episodes], device=device)
-        gen = Generation(prompt_ids, prompt_mask.long(), ids.to(device), mask.to(device), truncated,
-                         rollout_logp=logp)
-        gen.model_mask = model_mask.to(device) * gen.completion_mask
-        return gen
-
-    def stats(self, episodes: list[Episode], seconds: float) -> dict[str, float]:
-        n = float(len(episodes)) or 1.0
-        env_time = sum(ep.env_time for ep in episodes)
-        return {"rollout/turns_mean": sum(ep.model_turns for ep in episodes) / n,
-                "rollout/tool_calls_mean": sum(ep.tool_calls for ep in episodes) / n,
-                "rollout/tool_errors": float(sum(ep.tool_errors for ep in episodes)),
-                "rollout/env_errors": float(sum(ep.failed for ep in episodes)),
-                "rollout/env_time": env_time / n, "perf/env_time": env_time,
-                "perf/episode_time": seconds}
-
-
-def pad_float(rows: list[list[float]]) -> Tensor:
-    """Right-pad float rows with 0.0 into ``[len(rows), max length]``."""
-    width = max(len(r) for r in rows)
-    return torch.tensor([r + [0.0] * (width - len(r)) for r in rows], dtype=torch.float32)

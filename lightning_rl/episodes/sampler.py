@@ -44,8 +44,11 @@ class Sampler:
     Args:
         num_generations: samples per prompt row (G); the samples of row ``i`` are rows ``i*G .. i*G+G-1``.
         sampling: the rollout's sampling parameters.
-        rewards: the rewards pipeline, which alone assembles the reward (an episode's returns included).
-        episodes: the episode runner, or ``None`` for single-turn rollouts.
+        rewards: the rewards pipeline, which alone assembles the reward (an episode's returns included);
+            an episode whose environment failed (``model.episodes.on_error: zero``) then gets reward 0 and
+            is not correct.
+        episodes: the episode runner, or ``None`` for single-turn rollouts; its ``check_failures`` stops a
+            step with too many failed episodes before they are scored.
         mask_truncated: completions that hit the token budget leave the loss.
     """
 
@@ -65,6 +68,7 @@ class Sampler:
         if self.episodes is not None:
             episodes = run_episodes(self.episodes, batch, io, num_samples=G, sampling=self.sampling,
                                     seed=seed, collectives=collectives)
+            self.episodes.check_failures(episodes, collectives, decide)
             gen, texts, columns["turns"] = episodes.generation, episodes.texts, episodes.turns
         else:
             gen = io.generate(*io.encode(prompts), num_samples=G, sampling=self.sampling, seed=seed)
@@ -74,15 +78,24 @@ class Sampler:
         result = self.rewards([p for p in prompts for _ in range(G)], texts, gen.lengths.tolist(), columns,
                               collectives=collectives, decide=decide, returns=returns, said_correct=said)
         rewards, correct, stats = result.rewards, result.correct, result.stats
+        outcome = None if result.outcome is None else result.outcome.to(device)
         if episodes is not None:
+            rewards, correct, outcome = zero_failed(episodes.failed, rewards, correct, outcome)
             stats = {**stats, **episodes.stats}
             gen_time -= stats["perf/env_time"]
         group_ids = torch.arange(len(prompts), device=device).repeat_interleave(G)
         rollout = Rollout.from_generation(gen, group_ids, rewards.to(device), correct.to(device),
-                                          self.mask_truncated)
+                                          self.mask_truncated, outcome)
         sampled = gen.lengths if gen.model_mask is None else gen.model_mask.sum(-1)
         return rollout, {**stats, "perf/generation_time": gen_time,
                          "perf/generated_tokens": float(sampled.sum())}
+
+
+def zero_failed(failed: Tensor, *values: Tensor | None) -> tuple[Tensor | None, ...]:
+    """Each of ``values`` (``[N]`` rewards, correctness, outcomes; ``None`` kept) with 0 / False where the
+    episode's environment ``failed``: whatever the reward functions, a reward model or shaping said, a
+    failed episode scores 0."""
+    return tuple(None if v is None else v.masked_fill(failed.to(v.device), 0) for v in values)
 
 
 def run_episodes(runner: EpisodeRunner, batch: dict[str, list], io: PolicyIO, *, num_samples: int,

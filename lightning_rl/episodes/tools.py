@@ -6,6 +6,13 @@ OpenAI/HF function form that chat templates render) is built from its signature 
 The formats that find the calls in a model turn and render their results are in
 :mod:`lightning_rl.episodes.tool_formats`. ``execute`` runs one call with a timeout and never raises: every
 failure becomes a ``ToolResult`` with ``error=True``.
+
+User tools run in a forked worker process (:mod:`lightning_rl.step.workers`), killed on timeout, so a tool
+stuck in C code holding the GIL is stopped and no thread outlives its call; built-in tools that are bounded by
+construction (``calculator``) run in-process. Tools that run commands, evaluate code or delete files
+(``os:system``, ``subprocess:run``, ``builtins:eval``, ``shutil:rmtree``...) are refused unless
+``model.episodes.allow_unsafe_tools: true``: model-written code belongs in the sandbox tool
+``lightning_rl.sandbox:python``.
 """
 
 from __future__ import annotations
@@ -13,13 +20,40 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-import threading
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from lightning_rl import moved_hint
+from lightning_rl.episodes.calculator import calculator
 from lightning_rl.episodes.tool_schemas import tool_schema
+from lightning_rl.sandbox import python as sandbox_python
+from lightning_rl.step.workers import WORKERS, CallRaised, CallTimedOut, WorkerDied, describe
+
+MAX_RESULT_CHARS = 1_000_000  # a result is cut to this many characters in the worker, before it is sent
+# bounded by construction, no worker hop: the calculator; the sandbox tool (its own child process, limits
+# and timeout; a worker killed on `tool_timeout` would leave that child behind)
+IN_PROCESS: frozenset[Callable[..., Any]] = frozenset({calculator, sandbox_python})
+# standard-library functions that run commands, evaluate code or delete files: (module, names, what they do)
+UNSAFE: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("os", ("system", "popen", "execl", "execle", "execlp", "execlpe", "execv", "execve", "execvp", "execvpe",
+            "spawnl", "spawnle", "spawnlp", "spawnlpe", "spawnv", "spawnve", "spawnvp", "spawnvpe",
+            "posix_spawn", "posix_spawnp", "fork", "forkpty"), "runs commands"),
+    ("os", ("kill", "killpg"), "kills processes"),
+    ("subprocess", ("*",), "runs commands"),  # every name in its __all__
+    ("pty", ("spawn", "fork"), "runs commands"),
+    ("asyncio", ("create_subprocess_exec", "create_subprocess_shell"), "runs commands"),
+    ("webbrowser", ("open", "open_new", "open_new_tab"), "runs commands"),
+    ("builtins", ("eval", "exec", "compile", "__import__"), "evaluates code"),
+    ("builtins", ("open",), "writes files"),
+    ("runpy", ("run_module", "run_path"), "evaluates code"),
+    ("importlib", ("import_module",), "evaluates code"),
+    ("timeit", ("timeit", "repeat"), "evaluates code"),
+    ("code", ("interact", "compile_command"), "evaluates code"),
+    ("os", ("remove", "unlink", "rmdir", "removedirs", "truncate", "rename", "replace"), "deletes files"),
+    ("shutil", ("rmtree", "move"), "deletes files"),
+)
 
 
 # ------------------------------------------------------------------------------------------ records
@@ -30,12 +64,14 @@ class Tool:
     name: str
     fn: Callable[..., Any]
     schema: dict[str, Any]
+    isolated: bool = True  # run in a worker process (False: in-process, for tools that cannot hang)
 
     @classmethod
     def from_function(cls, fn: Callable[..., Any]) -> Tool:
-        """The tool for ``fn``, named by ``fn.__name__``, schema by ``tool_schema(fn)``."""
+        """The tool for ``fn``, named by ``fn.__name__``, schema by ``tool_schema(fn)``; isolated unless it
+        is a built-in bounded tool (``IN_PROCESS``)."""
         schema = tool_schema(fn)
-        return cls(name=schema["function"]["name"], fn=fn, schema=schema)
+        return cls(name=schema["function"]["name"], fn=fn, schema=schema, isolated=fn not in IN_PROCESS)
 
 
 @dataclass(frozen=True)
@@ -57,19 +93,40 @@ class ToolResult:
     name: str
     content: str
     error: bool = False
+    timed_out: bool = False  # the call did not come back within the timeout (its worker was killed)
 
 
-def load_tools(paths: list[str]) -> list[Tool]:
+def unsafe(fn: Any) -> tuple[str, str] | None:
+    """``(qualified name, what it does)`` when ``fn`` is one of the ``UNSAFE`` standard-library functions,
+    whatever name it was imported under (``posix:system`` is ``os.system``)."""
+    for module_name, names, does in UNSAFE:
+        module = sys.modules.get(module_name)  # `fn` comes from an imported module, so its own is imported
+        if module is None:
+            continue
+        for name in getattr(module, "__all__", ()) if names == ("*",) else names:
+            if getattr(module, name, None) is fn:
+                return f"{module_name}.{name}", does
+    return None
+
+
+def load_tools(paths: Sequence[str | Tool], allow_unsafe: bool = False) -> list[Tool]:
     """Import the tools named ``package.module:function`` (``package.module.function`` also accepted).
 
-    An attribute that already is a ``Tool`` is used as is.
+    An attribute that already is a ``Tool`` is used as is, and so is a ``Tool`` given instead of a path
+    (already loaded and checked, e.g. by the option group's assembly).
 
     Raises:
         ValueError: naming ``model.episodes.tools`` and the entry: bad format, module or attribute not found,
-            not callable, no schema can be built, or two tools with the same name.
+            not callable, no schema can be built, two tools with the same name, or a tool that runs commands,
+            evaluates code or deletes files (unless ``allow_unsafe``).
     """
     tools: dict[str, Tool] = {}
     for path in paths:
+        if isinstance(path, Tool):
+            if path.name in tools:
+                raise ValueError(f"`model.episodes.tools`: a tool named `{path.name}` is already listed")
+            tools[path.name] = path
+            continue
         module_name, sep, attr = str(path).partition(":")
         if not sep:
             module_name, _, attr = str(path).rpartition(".")
@@ -87,6 +144,7 @@ def load_tools(paths: list[str]) -> list[Tool]:
         obj = getattr(module, attr)
         if not isinstance(obj, Tool) and not callable(obj):
             raise ValueError(f"{where} is not callable")
+        refuse_unsafe(obj.fn if isinstance(obj, Tool) else obj, where, allow_unsafe)
         try:
             tool = obj if isinstance(obj, Tool) else Tool.from_function(obj)
         except ValueError as err:
@@ -95,6 +153,17 @@ def load_tools(paths: list[str]) -> list[Tool]:
             raise ValueError(f"{where}: a tool named `{tool.name}` is already listed")
         tools[tool.name] = tool
     return list(tools.values())
+
+
+def refuse_unsafe(fn: Any, where: str, allow_unsafe: bool) -> None:
+    """Raise ``ValueError`` naming ``where`` when ``fn`` runs commands, evaluates code or deletes files."""
+    found = None if allow_unsafe else unsafe(fn)
+    if found is not None:
+        name, does = found
+        raise ValueError(
+            f"{where} is `{name}`, which {does}: a model that calls it does so on the training machine, "
+            "with the run's permissions. Run model-written code in the sandbox tool "
+            "`lightning_rl.sandbox:python`, or set `model.episodes.allow_unsafe_tools: true` if you mean it")
 
 
 def unknown_tool(name: str, tools: Mapping[str, Tool]) -> ToolResult:
@@ -134,12 +203,14 @@ def as_text(value: Any) -> str:
 
 
 def execute(tools: Mapping[str, Tool], call: ToolCall | ToolResult, timeout: float) -> ToolResult:
-    """Run one call in a worker thread, waiting at most ``timeout`` seconds; never raises.
+    """Run one call, waiting at most ``timeout`` seconds; never raises.
 
-    An unknown tool, arguments that do not bind to the signature, an exception in the tool, or a timeout
-    give ``ToolResult(error=True)`` with a short message naming the tool. A ``ToolResult`` (a call that
-    could not be parsed) is returned as is. A timed-out call cannot be killed: its thread keeps running
-    in the background (a daemon thread, so it does not block the interpreter's exit).
+    An isolated tool runs in a worker process (``lightning_rl.step.workers.WORKERS``); a call past ``timeout``
+    kills its worker (the next call gets a new one) and answers ``timed_out=True``. A tool that is not
+    isolated (``calculator``) runs in this thread, without a timeout. An unknown tool, arguments that do not
+    bind to the signature, an exception in the tool, a tool that ends its worker, or a timeout give
+    ``ToolResult(error=True)`` with a short message naming the tool. A ``ToolResult`` (a call that could not
+    be parsed) is returned as is. Results longer than ``MAX_RESULT_CHARS`` are cut.
     """
     if isinstance(call, ToolResult):
         return call
@@ -150,28 +221,42 @@ def execute(tools: Mapping[str, Tool], call: ToolCall | ToolResult, timeout: flo
         bound = bind(tool, call.arguments)
     except TypeError as err:
         return ToolResult(call.name, f"bad arguments for {call.name}: {err}", error=True)
-    outcome: dict[str, Any] = {}
-
-    def work() -> None:
+    if not tool.isolated:
         try:
-            outcome["value"] = tool.fn(*bound.args, **bound.kwargs)
-        except BaseException as err:  # noqa: B036 -- a tool's SystemExit must not pass silently either
-            outcome["error"] = err
-
-    thread = threading.Thread(target=work, name=f"tool-{call.name}", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        return ToolResult(call.name, f"{call.name} timed out after {float(timeout)} s", error=True)
-    if "error" in outcome:
-        err = outcome["error"]
-        message = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
-        return ToolResult(call.name, f"{call.name} raised {message}", error=True)
+            value = tool.fn(*bound.args, **bound.kwargs)
+        except Exception as err:  # noqa: BLE001 - the model sees the error
+            return ToolResult(call.name, f"{call.name} raised {describe(err)}", error=True)
+        return as_result(call.name, result_text(value))
     try:
-        return ToolResult(call.name, as_text(outcome.get("value")), error=False)
-    except Exception as err:  # a __str__ that raises
-        message = f"{call.name} returned an unprintable value ({type(err).__name__})"
-        return ToolResult(call.name, message, error=True)
+        text = WORKERS.call(tool.fn, bound.args, bound.kwargs, timeout, post=result_text)
+    except CallTimedOut:
+        return ToolResult(call.name, f"{call.name} timed out after {float(timeout)} s", error=True,
+                          timed_out=True)
+    except CallRaised as err:
+        return ToolResult(call.name, f"{call.name} raised {describe(err)}", error=True)
+    except WorkerDied as err:  # e.g. the tool called os._exit, or was killed by the OOM killer
+        return ToolResult(call.name, f"{call.name} {err}", error=True)
+    except Exception as err:  # noqa: BLE001 - arguments that cannot be sent
+        return ToolResult(call.name, f"{call.name} could not be called: {describe(err)}", error=True)
+    return as_result(call.name, text)
 
 
-from lightning_rl.episodes.calculator import calculator as calculator  # noqa: E402  (`lightning_rl.episodes.tools:calculator`)
+def result_text(value: Any) -> tuple[bool, str]:
+    """``(True, text)``: the value as text (``as_text``), cut to ``MAX_RESULT_CHARS``; ``(False, type name)``
+    when it cannot be printed. Runs where the tool ran, so only the text is sent back."""
+    try:
+        text = as_text(value)
+    except Exception as err:  # noqa: BLE001 - a __str__ that raises
+        return False, type(err).__name__
+    if len(text) > MAX_RESULT_CHARS:
+        text = text[:MAX_RESULT_CHARS] + f"... [{len(text) - MAX_RESULT_CHARS} more characters cut]"
+    return True, text
+
+
+def as_result(name: str, text: tuple[bool, str]) -> ToolResult:
+    ok, content = text
+    if ok:
+        return ToolResult(name, content, error=False)
+    return ToolResult(name, f"{name} returned an unprintable value ({content})", error=True)
+
+

@@ -119,6 +119,22 @@ def dapo_group_keep(correct: Tensor, group_size: int) -> Tensor:
     return (n_correct > 0) & (n_correct < group_size)
 
 
+def group_spread(values: Tensor, group_size: int) -> Tensor:
+    """The groups whose values are not all equal (DAPO's filter on a general outcome: for 0 / 1 values
+    exactly :func:`dapo_group_keep`).
+
+    Args:
+        values: ``[N]`` float, bool or 0/1, consecutive groups of ``group_size``.
+
+    Returns:
+        ``[N // group_size]`` bool, True where the group's largest value exceeds its smallest.
+    """
+    check_shapes("values", values, ndim=1)
+    _check_groups(values.shape[0], group_size)
+    grouped = values.float().reshape(-1, group_size)
+    return grouped.amax(-1) > grouped.amin(-1)
+
+
 # ---- PPO: per-token rewards, whitening, explained variance -------------------------------------------
 def token_rewards(scores: Tensor, mask: Tensor, kl: Tensor | None = None, kl_coef: float = 0.0) -> Tensor:
     """Per-token rewards for GAE: ``-kl_coef * kl_t`` on every valid token, plus the sequence score on

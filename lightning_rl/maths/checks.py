@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -27,3 +29,12 @@ def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     """Require ``value`` to be one of ``choices``."""
     if value not in choices:
         raise ValueError(f"unknown `{name}` {value!r}; expected one of {choices}")
+
+
+def require(prefix: str, **checks: tuple[bool, Any, str]) -> None:
+    """Raise ``ValueError`` for the first failing check ``key=(ok, value, expected)``, naming the key as
+    ``<prefix>.<key>`` (a YAML path such as ``model.sampling``), the valid range and the value:
+    ```model.sampling.temperature` must be > 0, got 0.0``."""
+    for key, (ok, value, expected) in checks.items():
+        if not ok:
+            raise ValueError(f"`{prefix}.{key}` must be {expected}, got {value!r}")

@@ -17,6 +17,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForTokenClassification
 
+from lightning_rl.maths.checks import require
 from lightning_rl.models.adapters import base_state_dict, is_peft_model
 from lightning_rl.models.loading import load_pretrained, torch_dtype
 from lightning_rl.models.model_utils import base_model, disable_dropout, position_ids
@@ -171,12 +172,6 @@ class CriticOptions:
     warmup: int = 0
 
     def __post_init__(self) -> None:
-        require_critic(vf_coef=(self.vf_coef > 0, self.vf_coef), warmup=(self.warmup >= 0, self.warmup),
-                value_clip=(self.value_clip is None or self.value_clip > 0, self.value_clip))
-
-
-def require_critic(**checks: tuple[bool, Any]) -> None:
-    """Raise ``ValueError`` naming ``model.critic.<key>`` for the first check that fails."""
-    for key, (ok, value) in checks.items():
-        if not ok:
-            raise ValueError(f"`model.critic.{key}` is out of range, got {value!r}")
+        require("model.critic", vf_coef=(self.vf_coef > 0, self.vf_coef, "> 0"),
+                warmup=(self.warmup >= 0, self.warmup, ">= 0"),
+                value_clip=(self.value_clip is None or self.value_clip > 0, self.value_clip, "> 0 or null"))

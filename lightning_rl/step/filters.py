@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_rl.maths.advantages import dapo_group_keep
+from lightning_rl.maths.advantages import group_spread
 from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.rollout import Rollout, merge_stats
 
@@ -33,12 +33,16 @@ class RolloutFilter:
 
 
 class DynamicSampling(RolloutFilter):
-    """DAPO's dynamic sampling: keep the groups whose samples disagree on correctness, refill from new
-    prompts until as many groups as the batch had prompts are kept or ``max_gen_batches`` rounds ran.
+    """DAPO's dynamic sampling: keep the groups whose samples' outcomes differ, refill from new prompts
+    until as many groups as the batch had prompts are kept or ``max_gen_batches`` rounds ran.
 
     A group with one outcome has zero advantage everywhere: it adds nothing to the gradient but still
-    counts in token-mean denominators. The filter reads verifiable correctness (``rollout.correct``), never
-    a shaped reward, so an overlong penalty cannot make an all-wrong group look informative.
+    counts in token-mean denominators. The outcome (``rollout.outcome``) is verifiable correctness where
+    there is a correctness signal (a correctness function, the environments' ``info["correct"]``); where
+    correctness is only read off the main reward function at its full score, it is that function's raw
+    score (verl's ``filter_groups.metric`` on the reward): the same for a 0 / 1 function, while a shaped
+    one's group that never reaches 1.0 but scores differently is kept. Never the shaped total: an overlong
+    penalty cannot make an all-wrong group look informative.
 
     The number of rounds is agreed by all ranks: before each refill a "this rank needs more" flag is
     all-reduced (max) and every rank refills while any rank needs to (a full rank's extra groups are
@@ -56,7 +60,8 @@ class DynamicSampling(RolloutFilter):
 
     @staticmethod
     def keep(rollout: Rollout, size: int) -> Rollout:
-        return rollout.select(dapo_group_keep(rollout.correct, size).repeat_interleave(size))
+        outcome = rollout.outcome if rollout.outcome is not None else rollout.correct
+        return rollout.select(group_spread(outcome, size).repeat_interleave(size))
 
     def __call__(self, rollout: Rollout, refill: Refill,
                  collectives: Collectives) -> tuple[Rollout, dict[str, float]]:

@@ -42,15 +42,17 @@ class RewardResult:
 
     Attributes:
         rewards: ``[N]`` float: the functions' weighted total + the weighted reward-model score + shaping.
-        correct: ``[N]`` bool: verifiable correctness (``correctness_fn``), what filters and accuracy read.
+        correct: ``[N]`` bool: verifiable correctness (``correctness_fn``), what accuracy reads.
         scores: the reward functions' scores, failures and errors (``RewardScores``).
         stats: ``rollout/reward_errors``, ``rollout/overlong_penalty_mean``, ``perf/reward_time``.
+        outcome: ``[N]`` float: what DAPO's filter compares within a group (:meth:`RewardPipeline.outcome`).
     """
 
     rewards: Any
     correct: Any
     scores: RewardScores
     stats: dict[str, float]
+    outcome: Any = None
 
 
 class RewardPipeline:
@@ -155,10 +157,11 @@ class RewardPipeline:
         if returns is not None:
             rewards = rewards + returns
         correct = self.correctness(prompts, texts, columns, scores, said_correct)
+        outcome = self.outcome(correct, scores, said_correct)
         stats = {"rollout/reward_errors": float(len(scores.failed)),
                  "rollout/overlong_penalty_mean": float(penalty.mean()) if len(penalty) else 0.0,
                  "perf/reward_time": time.perf_counter() - start}
-        return RewardResult(rewards, correct, scores, stats)
+        return RewardResult(rewards, correct, scores, stats, outcome)
 
     def correctness(self, prompts: Sequence[Any], texts: list[str], columns: dict[str, list],
                     scores: RewardScores, said: Sequence[bool | None] | None) -> Any:
@@ -169,8 +172,7 @@ class RewardPipeline:
         if said and all(c is not None for c in said):
             return torch.tensor(list(said), dtype=torch.bool)
         correctness_start = time.perf_counter()
-        if isinstance(self.correctness_fn, FullScore) and self.scorer is not None \
-                and self.correctness_fn.name in self.scorer.names:  # the scores just computed, not a 2nd call
+        if self.scores_correctness:  # the scores just computed, not a 2nd call
             values = scores.values[self.scorer.names.index(self.correctness_fn.name)]
             correct = torch.tensor([v >= FullScore.FULL for v in values], dtype=torch.bool)
         else:
@@ -178,6 +180,35 @@ class RewardPipeline:
                                                                        **columns)], dtype=torch.bool)
         self.timed(self.correctness_part, time.perf_counter() - correctness_start)
         return correct
+
+    @property
+    def scores_correctness(self) -> bool:
+        """Whether correctness is read off a reward function's score (``FullScore``: ``correctness_fn`` and
+        ``accuracy_fn`` unset) rather than decided by a correctness function of its own."""
+        return isinstance(self.correctness_fn, FullScore) and self.scorer is not None \
+            and self.correctness_fn.name in self.scorer.names
+
+    def outcome(self, correct: Any, scores: RewardScores, said: Sequence[bool | None] | None) -> Any:
+        """``[N]`` float, what DAPO's dynamic sampling compares within a group (it keeps groups whose
+        outcomes differ): correctness (0 / 1) when it is a signal of its own (the environments' or a
+        correctness function's); when it is read off the main reward function at its full score, that
+        function's raw score, unshaped (for a 0 / 1 function the same; for a shaped one, a group whose
+        samples all fall short of 1.0 but score differently is informative and kept)."""
+        import torch
+
+        if (said and all(c is not None for c in said)) or not self.scores_correctness:
+            return correct.float()
+        assert self.scorer is not None
+        return torch.tensor(scores.values[self.scorer.names.index(self.correctness_fn.name)],
+                            dtype=torch.float32)
+
+    def outcome_name(self) -> str:
+        """What :meth:`outcome` is, for the first log line of a run that filters on it."""
+        if self.scores_correctness:
+            return (f"the score of `{self.correctness_fn.name}` (no correctness signal of its own: "
+                    "`model.rewards.correctness_fn` and `accuracy_fn` are unset; a 0 / 1 score is "
+                    "correctness)")
+        return f"correctness ({getattr(self.correctness_fn, '__qualname__', repr(self.correctness_fn))})"
 
     def check_failures(self, scores: RewardScores, collectives: Any) -> None:
         """Stop when failures summed over all ranks exceed ``model.rewards.max_error_frac`` (every rank

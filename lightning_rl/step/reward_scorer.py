@@ -1,16 +1,23 @@
 """The weighted sum of several reward functions (:class:`RewardScorer`), with errors that name the function
-and the sample: a function that raises or returns NaN stops the run (``on_error: raise``) or scores 0 and is
-counted (``on_error: zero``), up to ``max_error_frac`` of the samples."""
+and the sample: a function that raises, returns NaN or times out stops the run (``on_error: raise``) or scores
+0 and is counted (``on_error: zero``), up to ``max_error_frac`` of the samples.
+
+The functions of a batch run at once (:func:`lightning_rl.step.rewards.run_all`): plain ones each in a
+thread, ``async def`` ones each awaited in an event loop of their own thread, ``isolate``d ones each in a
+worker process; each gets ``timeout`` seconds. A thread that times out cannot be stopped (it runs on in the
+background); an isolated function's worker is killed.
+"""
 
 from __future__ import annotations
 
+import inspect
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_rl.step.rewards import RewardFn, import_reward
+from lightning_rl.step.rewards import Job, Outcome, RewardFn, import_reward, run_all
+from lightning_rl.step.workers import describe, register
 
 
 class RewardError(RuntimeError):
@@ -70,6 +77,11 @@ class RewardScorer:
         on_error: ``raise`` stops the run on the first bad reward; ``zero`` scores it 0 and counts it.
         max_error_frac: under ``zero``, the largest fraction of failed samples that ``check_failures``
             lets through (1.0: any).
+        timeout: seconds each function may take on a batch (``None``: no limit); a slower one fails on every
+            sample of the batch.
+        isolate: the functions (import paths, or ``True``: all) run in worker processes, killed on timeout.
+
+    A single plain function without a timeout runs in the calling thread (nothing to overlap or stop).
     """
 
     def __init__(
@@ -78,6 +90,8 @@ class RewardScorer:
         weights: Sequence[float] | None = None,
         on_error: str = "raise",
         max_error_frac: float = 1.0,
+        timeout: float | None = None,
+        isolate: bool | Sequence[str] = False,
     ) -> None:
         if not fns:
             raise ValueError("`model.rewards.functions` is empty: name at least one reward function")
@@ -89,10 +103,28 @@ class RewardScorer:
             raise ValueError(f"`model.rewards.on_error` must be 'raise' or 'zero', got {on_error!r}")
         if not 0.0 <= max_error_frac <= 1.0:
             raise ValueError(f"`model.rewards.max_error_frac` must be in [0, 1], got {max_error_frac}")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"`model.rewards.timeout` must be > 0 seconds or null, got {timeout}")
+        unknown = [] if isinstance(isolate, bool) else [f for f in isolate if f not in fns]
+        if unknown:
+            raise ValueError(f"`model.rewards.isolate` names {', '.join(map(repr, unknown))}, which "
+                             f"`model.rewards.functions` does not list ({', '.join(fns)})")
         self.names = list(fns)
         self.fns = [import_reward(f) for f in fns]
         self.weights = list(weights) if weights is not None else [1.0] * len(fns)
-        self.on_error, self.max_error_frac = on_error, max_error_frac
+        self.on_error, self.max_error_frac, self.timeout = on_error, max_error_frac, timeout
+        self.where = [self.placement(n, fn, isolate) for n, fn in zip(self.names, self.fns, strict=True)]
+        for fn, where in zip(self.fns, self.where, strict=True):
+            if where == "process":
+                register(fn)  # before workers are forked, so they inherit it
+
+    def placement(self, name: str, fn: RewardFn, isolate: bool | Sequence[str]) -> str:
+        """Where ``fn`` runs: ``process`` (isolated), ``inline`` (the only function, plain, no timeout) or
+        ``thread``."""
+        if isolate is True or (not isinstance(isolate, bool) and name in isolate):
+            return "process"
+        alone = len(self.names) == 1 and self.timeout is None
+        return "inline" if alone and not inspect.iscoroutinefunction(fn) else "thread"
 
     @property
     def limits_failures(self) -> bool:
@@ -130,11 +162,12 @@ class RewardScorer:
         total = [0.0] * n
         failed: set[int] = set()
         errors: list[FunctionErrors] = []
-        seconds, per_fn = [], []
-        for name, fn, weight in zip(self.names, self.fns, self.weights, strict=True):
-            start = time.perf_counter()
-            values, bad = self._one(name, fn, prompts, completions, columns)
-            seconds.append(time.perf_counter() - start)
+        jobs = [Job(fn, {"prompts": list(prompts), "completions": list(completions), **columns}, where, list)
+                for fn, where in zip(self.fns, self.where, strict=True)]
+        outcomes = run_all(jobs, self.timeout)
+        per_fn = []
+        for name, outcome, weight in zip(self.names, outcomes, self.weights, strict=True):
+            values, bad = self._one(name, outcome, prompts, completions)
             per_fn.append(values)
             total = [t + weight * v for t, v in zip(total, values, strict=True)]
             if bad:
@@ -143,20 +176,34 @@ class RewardScorer:
                 errors.append(FunctionErrors(name, len(bad), n, last))
                 failed.update(bad)
         totals = [0.0 if i in failed else t for i, t in enumerate(total)]
-        return RewardScores(totals, frozenset(failed), errors, tuple(seconds), tuple(per_fn))
+        seconds = tuple(o.seconds for o in outcomes)
+        return RewardScores(totals, frozenset(failed), errors, seconds, tuple(per_fn))
+
+    def failure(self, name: str, outcome: Outcome) -> str:
+        """Why the call failed: ``raised Type: message`` or ``timed out after X s``, raising ``RewardError``
+        under ``on_error: raise``."""
+        if outcome.timed_out:
+            isolated = self.where[self.names.index(name)] == "process"
+            why = f"timed out after {self.timeout} s"
+            hint = ("its worker process was killed" if isolated else "its thread cannot be stopped: list it "
+                    "in `model.rewards.isolate` to run it in a worker process that is killed instead")
+            if self.on_error == "raise":
+                raise RewardError(f"reward function `{name}` {why} (`model.rewards.timeout`; {hint})")
+            return why
+        if self.on_error == "raise":
+            raise RewardError(f"reward function `{name}` raised {describe(outcome.error)}") from outcome.error
+        return f"raised {describe(outcome.error)}"
 
     def _one(
-        self, name: str, fn: RewardFn, prompts: Sequence[Any], completions: Sequence[str], columns: dict
+        self, name: str, outcome: Outcome, prompts: Sequence[Any], completions: Sequence[str]
     ) -> tuple[list[float], dict[int, str]]:
         """One function's values (0.0 where it failed) and, in ``zero`` mode, each failed sample's error."""
         n = len(completions)
-        try:
-            values = list(fn(prompts=list(prompts), completions=list(completions), **columns))
-        except Exception as err:  # noqa: BLE001 - re-raised with the function named, or counted
-            if self.on_error == "raise":
-                raise RewardError(f"reward function `{name}` raised {type(err).__name__}: {err}") from err
-            why = f"raised {type(err).__name__}: {err} (one call for the batch: all {n} samples failed)"
-            return [0.0] * n, dict.fromkeys(range(n), why)
+        if outcome.timed_out or outcome.error is not None:
+            why = self.failure(name, outcome)
+            whole = f"{why} (one call for the batch: all {n} samples failed)"
+            return [0.0] * n, dict.fromkeys(range(n), whole)
+        values = outcome.value
         if len(values) != n:
             raise RewardError(f"reward function `{name}` returned {len(values)} values for {n} completions")
         out: list[float] = []

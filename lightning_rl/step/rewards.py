@@ -3,19 +3,26 @@
 A reward function is named in YAML by import path (``package.module:function``) and called as
 ``fn(prompts=[...], completions=[...], **columns)``, where ``columns`` holds every other dataset
 column as a list aligned with the completions. It returns one float per completion. The weighted sum of
-several, with its errors, is :mod:`lightning_rl.step.reward_scorer`; the rewards stage of the online step
+several, with its errors, is :mod:`lightning_rl.step.reward_scorer` (the functions of a batch run at once:
+:func:`run_all`); the rewards stage of the online step
 (reward model, overlong shaping, correctness) is :mod:`lightning_rl.step.reward_pipeline`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import inspect
 import math
 import re
+import threading
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from lightning_rl import moved_hint
+from lightning_rl.step.workers import WORKERS, CallRaised, CallTimedOut, Worker, WorkerDied, awaited
 
 RewardFn = Callable[..., Sequence[float]]
 
@@ -34,6 +41,101 @@ def import_reward(path: str) -> RewardFn:
     if not callable(fn):
         raise ValueError(f"reward function `{path}` is not callable")
     return fn
+
+
+# ------------------------------------------------------------------------------ functions of a batch at once
+@dataclass(frozen=True)
+class Outcome:
+    """One call's value, or the error it raised, or that it timed out; and its seconds."""
+
+    value: Any = None
+    error: BaseException | None = None
+    timed_out: bool = False
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Job:
+    """``fn(**kwargs)`` run ``inline``, in a ``thread`` (a coroutine function is awaited in its own event
+    loop there) or in a ``process`` worker; ``post`` is applied to the value (in the worker)."""
+
+    fn: Callable[..., Any]
+    kwargs: dict[str, Any]
+    where: Literal["inline", "thread", "process"] = "thread"
+    post: Callable[[Any], Any] | None = None
+
+
+def _call(job: Job, timeout: float | None) -> Any:
+    value = job.fn(**job.kwargs)
+    if inspect.isawaitable(value):
+        try:
+            value = asyncio.run(asyncio.wait_for(awaited(value), timeout))
+        except asyncio.TimeoutError as err:  # cancelled: its thread ends
+            raise CallTimedOut(f"timed out after {timeout} s") from err
+    return job.post(value) if job.post is not None else value
+
+
+def _outcome(job: Job, timeout: float | None, start: float) -> Outcome:
+    try:
+        return Outcome(value=_call(job, timeout), seconds=time.perf_counter() - start)
+    except CallTimedOut:
+        return Outcome(timed_out=True, seconds=float(timeout or 0.0))
+    except Exception as err:  # noqa: BLE001 - the caller decides (re-raised with a name, or counted)
+        return Outcome(error=err, seconds=time.perf_counter() - start)
+
+
+def _in_thread(job: Job, timeout: float | None, start: float) -> tuple[threading.Thread, list[Outcome]]:
+    """A started daemon thread that puts the job's outcome into the returned list."""
+    box: list[Outcome] = []
+    thread = threading.Thread(target=lambda: box.append(_outcome(job, timeout, start)), daemon=True,
+                              name=f"call-{getattr(job.fn, '__name__', 'fn')}")
+    thread.start()
+    return thread, box
+
+
+def run_all(jobs: Sequence[Job], timeout: float | None) -> list[Outcome]:
+    """Every job's outcome, the jobs running at once, each given ``timeout`` seconds (``None``: no limit).
+
+    Process jobs are sent first (forking before threads start), then threads start, then inline jobs run
+    in the calling thread. A thread that times out keeps running in the background (a daemon thread: threads
+    cannot be killed; a coroutine is cancelled); a process job that times out costs its worker (killed).
+    """
+    start = time.perf_counter()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    sent = {i: _send(j) for i, j in enumerate(jobs) if j.where == "process"}
+    threads = {i: _in_thread(j, timeout, start) for i, j in enumerate(jobs) if j.where == "thread"}
+    out = []
+    for i, job in enumerate(jobs):
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        if job.where == "inline":
+            out.append(_outcome(job, timeout, time.perf_counter()))
+        elif job.where == "process":
+            out.append(_process_outcome(sent[i], left, timeout, start))
+        else:
+            thread, box = threads[i]
+            thread.join(left)
+            out.append(box[0] if box else Outcome(timed_out=True, seconds=float(timeout or 0.0)))
+    return out
+
+
+def _send(job: Job) -> Worker | Exception:
+    """The worker the job was sent to, or why it could not be (arguments that do not pickle)."""
+    try:
+        return WORKERS.start(job.fn, (), job.kwargs, job.post)
+    except Exception as err:  # noqa: BLE001 - reported as the job's error
+        return err
+
+
+def _process_outcome(worker: Worker | Exception, left: float | None, timeout: float | None,
+                     start: float) -> Outcome:
+    if isinstance(worker, Exception):
+        return Outcome(error=worker)
+    try:
+        return Outcome(value=WORKERS.finish(worker, left), seconds=time.perf_counter() - start)
+    except CallTimedOut:
+        return Outcome(timed_out=True, seconds=float(timeout or 0.0))
+    except (CallRaised, WorkerDied) as err:
+        return Outcome(error=err, seconds=time.perf_counter() - start)
 
 
 def exact_match(completions: Sequence[str], answer: Sequence[str], **_: Any) -> list[float]:

@@ -52,6 +52,9 @@ class Rollout:
         versions: ``[N]`` long, the weight version (trainer step) whose weights sampled each row, when the
             sampler runs ahead of the learner (``sampling.max_staleness``); weights never change within a
             rollout, so one version per row is exact. ``None``: sampled by this step's weights.
+        outcome: ``[N]`` float, what DAPO's dynamic sampling compares within a group
+            (``RewardPipeline.outcome``: correctness, or the main reward function's raw score when
+            correctness is read off it). ``None``: ``correct``.
     """
 
     prompt_ids: Tensor
@@ -74,6 +77,7 @@ class Rollout:
     values: Tensor | None = None
     returns: Tensor | None = None
     versions: Tensor | None = None
+    outcome: Tensor | None = None
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -101,7 +105,7 @@ class Rollout:
 
     @classmethod
     def from_generation(cls, gen: Generation, group_ids: Tensor, rewards: Tensor, correct: Tensor,
-                        mask_truncated: bool = False) -> Rollout:
+                        mask_truncated: bool = False, outcome: Tensor | None = None) -> Rollout:
         """A rollout of ``gen``: the loss counts every sampled token (not observation tokens of episodes, not
         truncated rows' when ``mask_truncated``)."""
         loss_mask = gen.completion_mask if gen.model_mask is None else gen.model_mask
@@ -109,7 +113,7 @@ class Rollout:
             loss_mask = loss_mask * (~gen.truncated).long()[:, None]
         return cls(gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask, loss_mask,
                    gen.truncated, gen.lengths, group_ids, rewards, correct, rollout_logp=gen.rollout_logp,
-                   model_mask=gen.model_mask)
+                   model_mask=gen.model_mask, outcome=outcome)
 
     @staticmethod
     def cat(parts: list[Rollout]) -> Rollout:

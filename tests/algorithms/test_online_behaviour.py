@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from functools import partial
 
 import lightning as L
@@ -320,6 +321,32 @@ def test_correctness_fn_uniform_per_prompt_drops_every_group(tmp_path):
     assert len(cap.rollouts[0]) == 0
     after = params(module)  # nothing to learn from: the optimiser step left the policy as it was
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def shaped_length(completions, **_):
+    """A shaped reward that never reaches 1.0: 0.1 per character, at most 0.7."""
+    return [min(len(c), 7) / 10 for c in completions]
+
+
+@pytest.mark.slow
+def test_dapo_on_a_shaped_reward_keeps_the_groups_that_score_differently(tmp_path, caplog):
+    """No correctness function and a shaped main reward: correctness (full score) is never reached, yet a
+    group whose scores differ is informative. Dynamic sampling compares the function's raw score, keeps
+    those groups, drops the uniform ones, and the first log line says what it compares."""
+    module = make(DAPO, rewards={"functions": [f"{HERE}:shaped_length"], "overlong_buffer": None},
+                  filters={"max_gen_batches": 1})
+    seen, cap = spy_generations(module), Capture()
+    with caplog.at_level(logging.INFO):
+        make_trainer(tmp_path, max_steps=1, callbacks=[cap]).fit(module, datamodule())
+    ((batch, generated),) = seen
+    assert not generated.correct.any()  # nothing reaches the full score
+    scores = torch.tensor(shaped_length(module.decode(generated.completion_ids, generated.attention_mask)))
+    assert torch.equal(generated.outcome, scores)
+    spread = scores.view(-1, 4).amax(-1) > scores.view(-1, 4).amin(-1)
+    (rollout,) = cap.rollouts
+    assert 0 < len(rollout) == 4 * int(spread.sum())  # every group that scored differently, and only those
+    assert (rollout.rewards.view(-1, 4).std(-1) > 0).all()
+    assert f"the outcome: the score of `{HERE}:shaped_length`" in caplog.text
 
 
 @pytest.mark.parametrize("key", ["accuracy_fn", "correctness_fn"])

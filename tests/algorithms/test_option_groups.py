@@ -10,6 +10,7 @@ from lightning_rl.algorithms import DAPO, GRPO, GSPO, PPO, RLOO, SAPO, OnlineRL
 from lightning_rl.algorithms.options import FilterOptions, ObjectiveOptions, SamplingOptions, UpdateOptions
 from lightning_rl.algorithms.presets import preset_defaults, with_changes
 from lightning_rl.maths.objective import Objective
+from lightning_rl.models.critic import CriticOptions
 
 ONLINE_KEYS = ["policy", "sampling", "rewards", "episodes", "objective", "advantage", "filters", "logprobs",
                "update", "engine", "optimizer", "lr_scheduler"]
@@ -42,16 +43,21 @@ def test_a_mapping_changes_fields_of_the_presets_group_and_keeps_the_rest():
     assert args["sampling"] == SamplingOptions(top_k=5)  # a whole group replaces the preset's
 
 
-@pytest.mark.parametrize(("build", "key"), [
-    (lambda: SamplingOptions(temperature=0.0), "model.sampling.temperature"),
-    (lambda: SamplingOptions(top_p=1.5), "model.sampling.top_p"),
-    (lambda: UpdateOptions(epochs=0), "model.update.epochs"),
-    (lambda: FilterOptions(max_gen_batches=0), "model.filters.max_gen_batches"),
-    (lambda: ObjectiveOptions(kl_target=0.1), "model.objective.kl_target"),
+@pytest.mark.parametrize(("build", "message"), [
+    (lambda: SamplingOptions(temperature=0.0), "`model.sampling.temperature` must be > 0, got 0.0"),
+    (lambda: SamplingOptions(top_p=1.5), "`model.sampling.top_p` must be in (0, 1], got 1.5"),
+    (lambda: SamplingOptions(worker="fork"), "`model.sampling.worker` must be one of auto, process, thread, "
+                                             "got 'fork'"),
+    (lambda: UpdateOptions(epochs=0), "`model.update.epochs` must be >= 1, got 0"),
+    (lambda: UpdateOptions(max_grad_norm=0.0), "`model.update.max_grad_norm` must be > 0 or null, got 0.0"),
+    (lambda: FilterOptions(max_gen_batches=0), "`model.filters.max_gen_batches` must be >= 1, got 0"),
+    (lambda: ObjectiveOptions(kl_target=0.1), "`model.objective.kl_target`"),
+    (lambda: CriticOptions(vf_coef=0.0), "`model.critic.vf_coef` must be > 0, got 0.0"),
 ])
-def test_a_group_refuses_a_bad_field_naming_its_key(build, key):
-    with pytest.raises(ValueError, match=f"`{key}`"):
+def test_a_group_refuses_a_bad_field_naming_its_key_and_range(build, message):
+    with pytest.raises(ValueError) as err:
         build()
+    assert message in str(err.value)
 
 
 def test_the_objective_group_holds_every_axis_of_the_objective_with_its_default():

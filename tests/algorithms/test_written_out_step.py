@@ -50,8 +50,8 @@ def written_out(steps: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], di
         with seeded(round_seed(0, step, 0, 0), ids.device):
             gen = hf_generate(policy, ids, mask, num_samples=G, compact=True,
                               sampling=SamplingParams(NEW_TOKENS, 1.0, 1.0, 0, True))
-        texts = holder.tokenizer.batch_decode(
-            gen.completion_ids.masked_fill(gen.completion_mask == 0, policy.pad_token_id), skip_special_tokens=True)
+        shown = gen.completion_ids.masked_fill(gen.completion_mask == 0, policy.pad_token_id)
+        texts = holder.tokenizer.batch_decode(shown, skip_special_tokens=True)
         answers = [a for a in batch["answer"] for _ in range(G)]
         rewards = torch.tensor(exact_match(texts, answers))
         advantages = group_advantages(rewards, G)

@@ -150,6 +150,11 @@ def test_last_line_names_the_problem(args, wanted, planted, capsys):
     assert "Given value" not in err and "usage:" not in err, err  # no dump (unless LRL_DEBUG=1)
 
 
+def test_a_value_out_of_range_names_the_key_and_the_range(planted):
+    with pytest.raises(ValueError, match=r"`model.sampling.temperature` must be > 0, got 0.0"):
+        run_cli("fit", "--config", GRPO, "--model.init_args.sampling.temperature", "0")
+
+
 def test_old_flat_key_is_one_line_naming_its_new_key(planted, capsys):
     """A YAML written for the flat keys stops before anything is built, on one line: the old key, the file
     and line, the new key."""

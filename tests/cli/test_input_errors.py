@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CONFIGS
+from helpers import CONFIGS, scalars
 
 from lightning_rl.cli.main import main
 from lightning_rl.data.rows import check_rows
@@ -164,6 +164,25 @@ def test_dynamic_sampling_without_answers_names_the_correctness_keys(tmp_path):
     assert "`lightning_rl.step.rewards:exact_match` needs the data column `answer`" in line
     assert f"train rows of `data.path`={data} do not have (columns: prompt)" in line
     assert "set `data.init_args.answer_column` to the column holding the reference answers" in line
+
+
+def shaped_reward(completions, **_):
+    """A shaped reward in [0, 0.9]: never the full score 1.0."""
+    return [min(len(c), 9) / 10 for c in completions]
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_on_a_shaped_reward_without_answers_trains_on_the_groups_that_differ(tmp_path):
+    """dapo.yaml with prompts alone and a shaped reward: correctness (the reward at its full score) is never
+    reached, and dynamic sampling used to drop every group; it compares the reward's score instead."""
+    data = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": r["prompt"]} for r in ROWS])
+    main(fit_args(tmp_path, "--data.init_args.path", data, "--data.init_args.answer_column", "null",
+                  "--model.init_args.rewards.functions", f"[{HERE}:shaped_reward]",
+                  "--model.init_args.filters.max_gen_batches", "3", "--trainer.limit_val_batches", "0",
+                  "--trainer.log_every_n_steps", "1", config="dapo.yaml"))
+    logged = scalars(tmp_path / "runs")
+    assert [v for _, v in logged["rollout/correct_frac"]] == [0.0]
+    assert [v for _, v in logged["rollout/filtered_group_frac"]][0] < 1.0  # some group was kept
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
-"""Resuming, single process and fast: `--ckpt_path last` finds sharded checkpoint folders; checkpoint files
-that are not Lightning checkpoints, a resume with another batch geometry, a rerun into a folder that holds
-an earlier run and a full disk each end in one `lightning-rl: error:` line naming the file or key, with an
-earlier run folder left byte for byte as it was.
+"""Resuming, single process and fast: `--ckpt_path last` finds sharded checkpoint folders and skips, naming
+it, a checkpoint a kill cut short; checkpoint files that are not Lightning checkpoints, only unreadable ones
+for `last`, a resume with another batch geometry, LoRA and full-model checkpoints crossed, a rerun into a
+folder that holds an earlier run and a full disk each end in one `lightning-rl: error:` line naming the file
+or key, with an earlier run folder left byte for byte as it was.
 
 The error paths fail at setup (or at the first save), so they build nothing heavy.
 """
@@ -11,13 +12,14 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import shutil
 import zipfile
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
-from helpers import CONFIGS
+from helpers import CONFIGS, run_cli
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_rl.cli.main import find_last_checkpoint, main
@@ -51,11 +53,11 @@ def planted(tmp_path) -> Path:
     return run
 
 
-def lightning_rl(tmp_path: Path, *args: str) -> str:
-    """``lightning-rl fit --config configs/grpo.yaml <args>`` in this process, expected to fail: its last
+def lightning_rl(tmp_path: Path, *args: str, config: str = "grpo.yaml") -> str:
+    """``lightning-rl fit --config configs/<config> <args>`` in this process, expected to fail: its last
     line of output (what ``sys.exit`` prints)."""
     with pytest.raises(SystemExit) as stopped:
-        main(["fit", "--config", str(CONFIGS / "grpo.yaml"), *TINY,
+        main(["fit", "--config", str(CONFIGS / config), *TINY,
               "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), *map(str, args)])
     message = stopped.value.code
     assert isinstance(message, str) and message.startswith("lightning-rl: error: "), message
@@ -69,28 +71,76 @@ def _age(path: Path, seconds_ago: float) -> None:
     os.utime(path, (when, when))
 
 
-def test_last_finds_sharded_checkpoint_folders_as_well_as_files(tmp_path):
+def _lightning_checkpoint(path: Path, step: int = 1) -> None:
+    """A small file shaped like a Lightning checkpoint (what the look inside checks)."""
+    torch.save({"state_dict": {"w": torch.zeros(2)}, "pytorch-lightning_version": L.__version__,
+                "global_step": step}, path)
+
+
+def test_last_finds_sharded_checkpoint_folders_as_well_as_files(tmp_path, caplog):
     folder = tmp_path / "ckpt"
     folder.mkdir()
-    (folder / "epoch=0-step=2.ckpt").write_bytes(b"file")
+    _lightning_checkpoint(folder / "epoch=0-step=2.ckpt")
     fsdp2 = folder / "epoch=0-step=4.ckpt"  # torch.distributed.checkpoint: shards, .metadata, meta.pt
     fsdp2.mkdir()
-    for name in ("__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"):
+    for name in ("__0_0.distcp", "__1_0.distcp", ".metadata"):
         (fsdp2 / name).write_bytes(b"x")
+    _lightning_checkpoint(fsdp2 / "meta.pt", step=4)
     deepspeed = folder / "epoch=0-step=6.ckpt"  # DeepSpeed: `latest` and checkpoint/
     (deepspeed / "checkpoint").mkdir(parents=True)
     (deepspeed / "latest").write_text("checkpoint")
-    partial = folder / "epoch=0-step=8.ckpt"  # a save cut short before any of its markers
+    partial = folder / "epoch=0-step=8.ckpt"  # a save cut short before any of its markers: not a checkpoint
     partial.mkdir()
     (partial / "__0_0.distcp").write_bytes(b"x")
-    for age, path in ((40, folder / "epoch=0-step=2.ckpt"), (30, fsdp2), (20, deepspeed), (0, partial)):
+    cut = folder / "epoch=0-step=10.ckpt"  # a save cut short after .metadata, before meta.pt
+    cut.mkdir()
+    for name in ("__0_0.distcp", ".metadata"):
+        (cut / name).write_bytes(b"x")
+    ages = ((40, folder / "epoch=0-step=2.ckpt"), (30, fsdp2), (20, deepspeed), (0, partial), (0, cut))
+    for age, path in ages:
         _age(path, age)
-    assert newest_checkpoint([str(folder)]) == str(deepspeed)
+    assert newest_checkpoint([str(folder)]) == str(cut)
     trainer = L.Trainer(logger=False, callbacks=[ModelCheckpoint(dirpath=folder)],
                         default_root_dir=tmp_path, enable_progress_bar=False)
-    assert find_last_checkpoint(trainer) == str(deepspeed)
+    with caplog.at_level("INFO"):
+        assert find_last_checkpoint(trainer) == str(deepspeed)
+    assert f"`--ckpt_path last`: skipping {cut}: a sharded checkpoint folder without meta.pt" in caplog.text
     _age(fsdp2, -60)  # the FSDP2 folder written last
     assert find_last_checkpoint(trainer) == str(fsdp2)
+
+
+# ---- `--ckpt_path last` skips a checkpoint a kill cut short ----------------------------------------------
+def _truncated(path: Path, step: int) -> None:
+    """A Lightning checkpoint whose write was cut halfway (a kill while it was copied into place)."""
+    _lightning_checkpoint(path, step)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_last_skips_a_truncated_newest_checkpoint_naming_it(tmp_path, caplog):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    good, cut = folder / "interrupted-step=3.ckpt", folder / "last.ckpt"
+    _lightning_checkpoint(good, step=3)
+    _truncated(cut, step=5)
+    _age(good, 30)
+    trainer = L.Trainer(logger=False, callbacks=[ModelCheckpoint(dirpath=folder)],
+                        default_root_dir=tmp_path, enable_progress_bar=False)
+    with caplog.at_level("INFO"):
+        assert find_last_checkpoint(trainer) == str(good)
+    skipped = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert skipped == [f"`--ckpt_path last`: skipping {cut}: not an archive written by torch.save "
+                       "(truncated or corrupt?)"]
+
+
+@pytest.mark.slow
+def test_last_with_only_a_truncated_checkpoint_names_it_in_the_last_line(tmp_path):
+    folder = tmp_path / "runs" / "lightning-rl" / "version_0" / "checkpoints"
+    folder.mkdir(parents=True)
+    _truncated(folder / "last.ckpt", step=5)
+    line = lightning_rl(tmp_path, "--ckpt_path", "last")
+    assert "`--ckpt_path last`: no readable checkpoint in " in line, line
+    assert f"{folder / 'last.ckpt'} (not an archive written by torch.save (truncated or corrupt?))" in line
 
 
 # ---- checkpoint files that are not Lightning checkpoints ---------------------------------------------------
@@ -174,6 +224,52 @@ def test_resume_with_another_geometry_when_the_user_opts_in(saved_run, monkeypat
         main(["fit", "--config", str(CONFIGS / "grpo.yaml"), *TINY, "--data.init_args.batch_size", "3",
               "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0", "--ckpt_path", "last",
               "--trainer.logger.init_args.save_dir", str(saved_run / "runs")])
+
+
+# ---- `--ckpt_path last` past a truncated checkpoint, and LoRA / full-model checkpoints crossed -------------
+@pytest.mark.slow
+def test_last_resumes_the_newest_readable_checkpoint_past_a_truncated_one(saved_run, tmp_path, caplog):
+    runs = tmp_path / "runs"
+    shutil.copytree(saved_run / "runs", runs)
+    good = runs / "lightning-rl" / "version_0" / "checkpoints" / "last.ckpt"
+    cut = runs / "lightning-rl" / "version_1" / "checkpoints" / "last.ckpt"  # a later run killed mid-save
+    cut.parent.mkdir(parents=True)
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    _age(good, 60)
+    with caplog.at_level("INFO"):  # max_steps 1: the good checkpoint's step, so it loads and trains no more
+        cli = run_cli("fit", "--config", CONFIGS / "grpo.yaml", *TINY, "--trainer.max_steps", "1",
+                      "--trainer.limit_val_batches", "0", "--ckpt_path", "last",
+                      "--trainer.logger.init_args.save_dir", runs)
+    said = [r.getMessage() for r in caplog.records if "--ckpt_path last" in r.getMessage()]
+    assert said == [f"`--ckpt_path last`: skipping {cut}: not an archive written by torch.save (truncated or "
+                    "corrupt?)", f"`--ckpt_path last`: resuming from {good}"]
+    assert cli.trainer.ckpt_path == str(good) and cli.trainer.global_step == 1
+    assert not list((runs / "lightning-rl" / "version_2").rglob("*.ckpt"))  # no step trained
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> Path:
+    """A 1-step run of configs/grpo_lora.yaml (LoRA adapters) with its checkpoint."""
+    tmp_path = tmp_path_factory.mktemp("lora")
+    main(["fit", "--config", str(CONFIGS / "grpo_lora.yaml"), *TINY, "--trainer.max_steps", "1",
+          "--trainer.limit_val_batches", "0", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")])
+    return tmp_path
+
+
+@pytest.mark.slow
+def test_a_lora_checkpoint_into_a_full_model_config_names_model_policy_peft(lora_run):
+    line = lightning_rl(lora_run, "--ckpt_path", "last", "--trainer.max_steps", "2")
+    saved = lora_run / "runs" / "lightning-rl" / "version_0" / "checkpoints" / "last.ckpt"
+    assert f"the checkpoint {saved} holds PEFT (LoRA) adapters, saved by a run with `model.policy.peft`, " \
+           "but this config has no `model.policy.peft`" in line, line
+
+
+@pytest.mark.slow
+def test_a_full_model_checkpoint_into_a_lora_config_names_model_policy_peft(saved_run):
+    line = lightning_rl(saved_run, "--ckpt_path", "last", "--trainer.max_steps", "2", config="grpo_lora.yaml")
+    saved = saved_run / "runs" / "lightning-rl" / "version_0" / "checkpoints" / "last.ckpt"
+    assert f"the checkpoint {saved} holds a full model's weights, saved by a run without " \
+           "`model.policy.peft`, but this config sets `model.policy.peft`" in line, line
 
 
 # ---- a rerun into a fixed version folder that holds an earlier run ---------------------------------------

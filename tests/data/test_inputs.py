@@ -191,7 +191,7 @@ def test_row_errors_give_the_file_line(tmp_path):
     pairs[1]["rejected"] = pairs[1]["chosen"]
     with pytest.raises(ValueError, match=r"line 2: chosen and rejected completions are identical.*"
                                          r"`data.skip_identical: true`"):
-        PreferenceDataModule(path=write_jsonl(tmp_path / "p.jsonl", pairs)).setup("fit")
+        PreferenceDataModule(path=write_jsonl(tmp_path / "p.jsonl", pairs), skip_identical=False).setup("fit")
 
 
 # ------------------------------------------------------------------------------ 3. SFT without answers
@@ -229,19 +229,23 @@ def test_val_fraction_splits_off_a_seeded_disjoint_validation_set(tmp_path, info
         PreferenceDataModule(path=path, val_fraction=0.01).setup("fit")
 
 
-def test_skip_identical_drops_and_counts_pairs(tmp_path, info_log):
+def test_identical_pairs_are_skipped_by_default_with_one_warning_naming_the_first(tmp_path):
+    """Real preference sets hold a few degenerate pairs: they are skipped, counted and the first one's line
+    named in one warning; only a file with no other pair is refused."""
     pairs = [dict(r) for r in PAIRS]
     for i in (2, 5):
         pairs[i]["rejected"] = pairs[i]["chosen"]
-    dm = PreferenceDataModule(path=write_jsonl(tmp_path / "p.jsonl", pairs), skip_identical=True)
-    dm.setup("fit")
+    dm = PreferenceDataModule(path=write_jsonl(tmp_path / "p.jsonl", pairs))
+    with pytest.warns(UserWarning) as warned:
+        dm.setup("fit")
     kept = [r["prompt"] for i, r in enumerate(PAIRS) if i not in (2, 5)]
     assert [r["prompt"] for r in dm.train_rows] == kept
     assert dm.skipped_identical == {"train": 2, "val": 0}
-    assert "data.skip_identical: dropped 2 of 8 pairs" in info_log.text
+    (message,) = [str(w.message) for w in warned if "identical" in str(w.message)]
+    assert "skipped 2 of 8 pairs" in message and "the first at line 3" in message, message
     same = [{**r, "rejected": r["chosen"]} for r in PAIRS]
-    with pytest.raises(ValueError, match="no pairs left after `data.skip_identical`"):
-        PreferenceDataModule(path=write_jsonl(tmp_path / "s.jsonl", same), skip_identical=True).setup("fit")
+    with pytest.raises(ValueError, match=r"every one of its 8 pairs has identical .*the first at line 1"):
+        PreferenceDataModule(path=write_jsonl(tmp_path / "s.jsonl", same)).setup("fit")
 
 
 # ---------------------------------------------------------------------------- 5. exported padding_side

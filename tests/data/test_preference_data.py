@@ -106,14 +106,12 @@ def test_stream_position_resumes_exactly(tmp_path):
          ["data.rejected_column", "`rejected`"]),
         (lambda rows: rows[:2] + [{**rows[2], "chosen": ""}] + rows[3:], ["line 3", "`chosen`", "empty"]),
         (lambda rows: rows[:1] + [{**rows[1], "prompt": ""}] + rows[2:], ["line 2", "`prompt`", "empty"]),
-        (lambda rows: rows[:3] + [{**rows[3], "rejected": rows[3]["chosen"]}],
-         ["line 4", "identical", "data.chosen_column", "data.skip_identical"]),
         (lambda rows: [{k: v for k, v in r.items() if k != "prompt"} for r in rows],
          ["data.prompt_column", "`prompt`"]),
         (lambda rows: [{**r, "rejected": int(r["rejected"])} for r in rows],
          ["line 1", "`rejected`", "int 21"]),
     ],
-    ids=["missing-column", "empty-chosen", "empty-prompt", "identical", "missing-prompt", "not-text"],
+    ids=["missing-column", "empty-chosen", "empty-prompt", "missing-prompt", "not-text"],
 )
 def test_bad_rows_fail_naming_row_and_field(tmp_path, mutate, expected):
     path = write_jsonl(tmp_path / "p.jsonl", mutate([dict(r) for r in ROWS]))

@@ -75,7 +75,7 @@ def test_errors_name_the_key_and_the_install_command(monkeypatch):
         ReasoningGymDataModule(task="leg_cunting")
     with pytest.raises(ValueError, match=r"`data.config` has \['max_term'\].*'max_terms'"):
         ReasoningGymDataModule(task="basic_arithmetic", config={"max_term": 3})
-    with pytest.raises(ValueError, match=r"`data.size` is out of range"):
+    with pytest.raises(ValueError, match=r"`data.size` must be >= 1, got 0"):
         ReasoningGymDataModule(size=0)
     with pytest.raises(ValueError, match=r"`data.max_question_chars`=5"):
         built("leg_counting", max_question_chars=5)

@@ -4,18 +4,33 @@ plain and Hermes call formats, execution with a timeout, and the built-in calcul
 
 from __future__ import annotations
 
+import glob
 import math
+import os
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Literal, Optional
 
 import pytest
 
 from lightning_rl.episodes.tool_formats import HermesFormat, PlainFormat, detect_format, tool_format
 from lightning_rl.episodes.tool_schemas import tool_schema
-from lightning_rl.episodes.tools import Tool, ToolCall, ToolResult, calculator, execute, load_tools
+from lightning_rl.episodes.tools import (
+    MAX_RESULT_CHARS,
+    Tool,
+    ToolCall,
+    ToolResult,
+    calculator,
+    execute,
+    load_tools,
+)
 from lightning_rl.models.builtin import build_char_tokenizer
+from lightning_rl.step.workers import WORKERS
 from lightning_rl.text.prompts import render_prompts
 
 # A Qwen-like template for the char tokenizer (EOS `<eos>`): assistant turns end with `<eos>\n`, tool
@@ -74,7 +89,30 @@ def boom() -> str:
     raise RuntimeError("no luck")
 
 
-TOOLS = {t.name: t for t in map(Tool.from_function, [calculator, search, scale, sleepy, boom, math.sqrt])}
+def backtrack(text: str) -> bool:
+    """Catastrophic backtracking: minutes of C code holding the GIL on `a` * 64 + `b`."""
+    return re.search("(a+)+$", text) is not None
+
+
+def leave() -> str:
+    os._exit(3)
+
+
+def flood() -> str:
+    return "x" * (MAX_RESULT_CHARS + 10)
+
+
+class Unprintable:
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+def unprintable() -> Unprintable:
+    return Unprintable()
+
+
+TOOLS = {t.name: t for t in map(Tool.from_function, [calculator, search, scale, sleepy, boom, math.sqrt,
+                                                      backtrack, leave, flood, unprintable])}
 
 
 # ------------------------------------------------------------------------------------------ schemas
@@ -175,6 +213,29 @@ def test_load_tools_refuses_duplicate_names():
                                          r"`lightning_rl.episodes.tools.calculator`: "
                                          r"a tool named `calculator` is already listed"):
         load_tools(["lightning_rl.episodes.tools:calculator", "lightning_rl.episodes.tools.calculator"])
+
+
+@pytest.mark.parametrize("entry, name, does", [
+    ("os:system", "os.system", "runs commands"), ("posix:system", "os.system", "runs commands"),
+    ("os.popen", "os.popen", "runs commands"), ("os:execv", "os.execv", "runs commands"),
+    ("subprocess:run", "subprocess.run", "runs commands"),
+    ("subprocess:check_output", "subprocess.check_output", "runs commands"),
+    ("builtins:eval", "builtins.eval", "evaluates code"),
+    ("builtins:exec", "builtins.exec", "evaluates code"),
+    ("io:open", "builtins.open", "writes files"), ("shutil:rmtree", "shutil.rmtree", "deletes files"),
+    ("os:remove", "os.remove", "deletes files"), ("pty:spawn", "pty.spawn", "runs commands"),
+])
+def test_unsafe_tools_are_refused_unless_allowed(entry, name, does):
+    with pytest.raises(ValueError, match=rf"`model.episodes.tools` entry `{entry}` is `{name}`, which "
+                                         rf"{does}.*`lightning_rl.sandbox:python`.*"
+                                         r"`model.episodes.allow_unsafe_tools"):
+        load_tools([entry])
+
+
+def test_unsafe_tools_load_when_allowed_and_lookalikes_are_not_refused():
+    (system,) = load_tools(["os:system"], allow_unsafe=True)
+    assert system.fn is os.system and system.isolated
+    assert [t.name for t in load_tools(["shutil:which", "os.path:basename"])] == ["which", "basename"]
 
 
 # ------------------------------------------------------------------------------------- plain format
@@ -340,12 +401,92 @@ def test_execute_errors_never_raise():
     assert execute(TOOLS, unparsed, 2.0) is unparsed
 
 
-def test_execute_times_out_and_leaves_a_daemon_thread():
+def children() -> set[int]:
+    """This process's child processes (Linux), zombies included."""
+    return {int(pid) for path in glob.glob(f"/proc/{os.getpid()}/task/*/children")
+            for pid in open(path).read().split()}
+
+
+@pytest.mark.slow
+def test_execute_times_out_kills_the_worker_and_leaves_no_thread_or_process():
+    """20 calls that never come back: each answers a timeout error, its worker is killed and reaped; the
+    thread count and the child processes are as before (a thread per call would have left 20 threads)."""
+    execute(TOOLS, ToolCall("sqrt", {"x": 1}), 2.0)  # an idle worker exists before and after
+    threads, before, timeouts = threading.active_count(), children(), WORKERS.timeouts
+    for _ in range(20):
+        out = execute(TOOLS, ToolCall("sleepy", {"seconds": 60}), 0.01)
+        assert out == ToolResult("sleepy", "sleepy timed out after 0.01 s", error=True, timed_out=True)
+    assert WORKERS.timeouts - timeouts == 20
+    assert threading.active_count() == threads
+    assert children() <= before
+
+
+def test_a_catastrophic_regex_holding_the_gil_is_stopped_in_time():
+    """The worker stuck in C code is killed at the timeout; no thread or process is left (a thread would
+    hold the GIL for minutes, and the call would not even return)."""
+    execute(TOOLS, ToolCall("sqrt", {"x": 1}), 2.0)  # an idle worker exists before and after
+    threads, before, timeouts = threading.active_count(), children(), WORKERS.timeouts
     start = time.perf_counter()
-    out = execute(TOOLS, ToolCall("sleepy", {"seconds": 2}), 0.2)
-    assert time.perf_counter() - start < 1.0
-    assert out == ToolResult("sleepy", "sleepy timed out after 0.2 s", error=True)
-    assert all(t.daemon for t in threading.enumerate() if t.name == "tool-sleepy")
+    out = execute(TOOLS, ToolCall("backtrack", {"text": "a" * 64 + "b"}), 0.3)
+    assert out == ToolResult("backtrack", "backtrack timed out after 0.3 s", error=True, timed_out=True)
+    assert time.perf_counter() - start < 1.3 and WORKERS.timeouts == timeouts + 1
+    assert threading.active_count() == threads and children() < before
+    assert execute(TOOLS, ToolCall("sqrt", {"x": 9}), 2.0).content == "3.0"  # a new worker answers next
+
+
+def test_a_tool_that_ends_its_worker_or_floods_is_an_error_or_cut():
+    out = execute(TOOLS, ToolCall("leave", {}), 2.0)
+    assert out == ToolResult("leave", "leave ended the worker process (exit code 3)", error=True)
+    flood = execute(TOOLS, ToolCall("flood", {}), 2.0)
+    assert not flood.error and len(flood.content) == MAX_RESULT_CHARS + len("... [10 more characters cut]")
+    assert flood.content.endswith("x... [10 more characters cut]")
+    assert execute(TOOLS, ToolCall("unprintable", {}), 2.0) == ToolResult(
+        "unprintable", "unprintable returned an unprintable value (RuntimeError)", error=True)
+
+
+def test_the_calculator_runs_in_process_without_a_worker():
+    started = WORKERS.started
+    assert not TOOLS["calculator"].isolated and TOOLS["sqrt"].isolated
+    assert execute(TOOLS, ToolCall("calculator", {"expression": "6*7"}), 1.0).content == "42"
+    assert WORKERS.started == started
+
+
+STUCK_SCRIPT = """
+import os, re, signal, sys
+from lightning_rl.episodes.tools import Tool, ToolCall, execute
+def backtrack(text: str) -> bool:
+    print(os.getpid(), flush=True)
+    return re.search("(a+)+$", text) is not None
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a Python handler, as Lightning installs
+execute({"backtrack": Tool.from_function(backtrack)}, ToolCall("backtrack", {"text": "a" * 64 + "b"}), 600)
+"""
+
+
+def gone(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGKILL, -9)])
+def test_a_stuck_tool_call_neither_blocks_a_signal_nor_outlives_its_process(sig, code):
+    """A learner waiting on a tool stuck in a regex (timeout 600 s) still runs its SIGTERM handler at once
+    (a thread would hold the GIL); the worker dies with it, even when the learner is SIGKILLed."""
+    proc = subprocess.Popen([sys.executable, "-c", STUCK_SCRIPT], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[2])
+    try:
+        worker = int(proc.stdout.readline())
+        time.sleep(0.2)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=5) == code
+        deadline = time.monotonic() + 5
+        while not gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gone(worker)
+    finally:
+        proc.kill()
 
 
 # --------------------------------------------------------------------------------------- calculator

@@ -144,7 +144,8 @@ def test_the_stop_is_decided_on_counts_summed_over_ranks(tmp_path):
 
 @pytest.mark.parametrize("frac", [-0.1, 1.5, math.nan])
 def test_max_reward_error_frac_is_validated(frac):
-    with pytest.raises(ValueError, match=rf"`model.rewards.max_error_frac` is out of range, got {frac!r}"):
+    with pytest.raises(ValueError,
+                       match=rf"`model.rewards.max_error_frac` must be in \[0, 1\], got {frac!r}"):
         make(rewards={"max_error_frac": frac})
 
 

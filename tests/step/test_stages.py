@@ -96,6 +96,16 @@ def test_dynamic_sampling_uses_correctness_not_rewards():
     assert refill.stats["rollout/filtered_group_frac"] == 0.5
 
 
+def test_dynamic_sampling_compares_the_outcome_when_the_rollout_has_one():
+    # correctness read off a shaped main reward: no sample is correct, but group 0's scores differ -> kept;
+    # group 1 scores 0.3 throughout -> dropped (zero advantage everywhere)
+    first = fake_rollout([[0, 0], [0, 0]], tag=0, rewards=[[0.2, 0.5], [0.3, 0.3]])
+    first.outcome = first.rewards.clone()
+    out, refill = run_filter(first, [], max_gen_batches=1)
+    assert out.lengths.tolist() == [0, 1]
+    assert refill.stats["rollout/filtered_group_frac"] == 0.5
+
+
 def test_dynamic_sampling_everything_dropped():
     out, refill = run_filter(fake_rollout([[1, 1], [0, 0]], tag=0), [], max_gen_batches=1)
     assert len(out) == 0
