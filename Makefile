@@ -16,6 +16,10 @@ $(VENV)/.installed: pyproject.toml
 	# The CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# DeepSpeed on CPU builds its shared-memory all-reduce op (a C++ JIT build, ~1 min) the first time a
+	# run starts it, for this interpreter's path: build it once here, not in the first DeepSpeed run or test
+	$(PY) -c "from deepspeed.accelerator import get_accelerator; \
+	b = get_accelerator().create_op_builder('ShareMemCommBuilder'); b and b.load()"
 	touch $@
 
 setup: $(VENV)/.installed

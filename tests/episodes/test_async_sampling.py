@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -88,8 +89,10 @@ class StampingEngine(HFEngine):
 
 
 def fit(module, steps: int, callbacks=()) -> L.Trainer:
+    """``steps`` steps of ``module``; its exported policy goes to a temporary folder, not the working one."""
     trainer = L.Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        limit_val_batches=0, accelerator="cpu", callbacks=list(callbacks))
+                        limit_val_batches=0, accelerator="cpu", callbacks=list(callbacks),
+                        default_root_dir=tempfile.mkdtemp(prefix="lrl-async-fit-"))
     trainer.fit(module, datamodule=datamodule())
     return trainer
 
