@@ -25,7 +25,6 @@ from lightning_rl.episodes.runner import EpisodeRunner, episode_runner
 from lightning_rl.episodes.sampler import Sampler
 from lightning_rl.episodes.source import RolloutSource
 from lightning_rl.episodes.tool_formats import HermesFormat
-from lightning_rl.episodes.tools import load_tools
 from lightning_rl.maths.objective import Objective
 from lightning_rl.models.reward_model import RewardModelScorer
 from lightning_rl.step.engine import RolloutEngine
@@ -82,14 +81,13 @@ def rollout_source(sampler: Sampler, filters: FilterOptions, sampling: SamplingO
 def episode_stage(o: EpisodeOptions, *, tokenizer: Any, chat: bool, max_new_tokens: int,
                   max_prompt_length: int, context: int | None) -> tuple[EpisodeRunner | None, list | None]:
     """The episode runner (``None`` without an environment or tools) and, for the Hermes tool format, the
-    tool schemas the chat template renders into prompts. Unsafe tools are refused here, unless
-    ``allow_unsafe_tools`` (the runner gets the tools loaded and checked)."""
-    tools = load_tools(o.tools or [], allow_unsafe=o.allow_unsafe_tools) or None
+    tool schemas the chat template renders into prompts."""
     runner = episode_runner(
-        o.environment, tools, tokenizer=tokenizer, chat=chat, max_turns=o.max_turns,
+        o.environment, o.tools, tokenizer=tokenizer, chat=chat, max_turns=o.max_turns,
         max_new_tokens=max_new_tokens, max_episode_tokens=o.max_episode_tokens,
         max_prompt_length=max_prompt_length, context=context, tool_format=o.tool_format,
-        tool_timeout=o.tool_timeout, on_env_error=o.on_error, max_error_frac=o.max_error_frac)
+        tool_timeout=o.tool_timeout, on_env_error=o.on_error, max_error_frac=o.max_error_frac,
+        allow_unsafe_tools=o.allow_unsafe_tools)
     if runner is not None and isinstance(runner.format, HermesFormat):
         return runner, [t.schema for t in runner.tools.values()] or None
     return runner, None

@@ -50,7 +50,7 @@ class EvaluationSteps:
         completions, lengths, columns = done.texts, done.lengths, batch_columns(batch)
         if done.turns is not None:
             columns = {**columns, "turns": done.turns}
-        scores = unless_failed(self.correct(batch["prompt"], completions, columns), done.failed, False)
+        scores = correct_unless_failed(self.correct(batch["prompt"], completions, columns), done.failed)
         acc = torch.tensor([float(s) for s in scores], device=self.device)
         self.log_val_mean("val/accuracy", acc.mean(), weight)
         self.validation_extra(batch, done, columns, weight)
@@ -76,8 +76,9 @@ class EvaluationSteps:
         pipeline's, unshaped (functions, reward model, an episode's ``returns``) in RL modules, else
         correctness as a reward (DPO, SFT); 0 for an episode whose environment ``failed``, as in training."""
         if self.reward_pipeline is not None:
-            rewards, _ = self.reward_pipeline.score(prompts, completions, lengths, columns, returns=returns)
-            return unless_failed(rewards.tolist(), failed, 0.0)
+            rewards, _ = self.reward_pipeline.score(prompts, completions, lengths, columns, returns=returns,
+                                                    failed=failed)
+            return rewards.tolist()
         return [float(s) for s in self.correct(prompts, completions, columns)]
 
     # ---- predict: completions of held-out prompts, scored (``lightning-rl predict``) -------------------
@@ -115,7 +116,7 @@ class EvaluationSteps:
         if done.turns is not None:
             columns["turns"] = done.turns
         rewards = self.sample_rewards(prompts, completions, lengths, columns, done.returns, done.failed)
-        correct = unless_failed(self.correct(prompts, completions, columns), done.failed, False)
+        correct = correct_unless_failed(self.correct(prompts, completions, columns), done.failed)
         weights = batch.get(VAL_WEIGHT_KEY) or [1.0] * len(batch["prompt"])
         index = batch.get(ROW_INDEX_KEY) or [None] * len(batch["prompt"])  # None: not from our DataModules
         rows = []
@@ -132,8 +133,9 @@ class EvaluationSteps:
 
 
 
-def unless_failed(values: Sequence[Any], failed: Sequence[bool] | None, instead: Any) -> list[Any]:
-    """``values`` with ``instead`` where the episode's environment ``failed`` (``None``: none did)."""
+def correct_unless_failed(correct: Sequence[Any], failed: Sequence[bool] | None) -> list[Any]:
+    """``correct`` with False where the episode's environment ``failed`` (``None``: none did), as the
+    rewards pipeline scores such an episode."""
     if failed is None:
-        return list(values)
-    return [instead if f else v for v, f in zip(values, failed, strict=True)]
+        return list(correct)
+    return [False if f else c for c, f in zip(correct, failed, strict=True)]

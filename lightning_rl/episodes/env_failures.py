@@ -3,7 +3,7 @@ contract of :mod:`lightning_rl.episodes.environments` (a ``ContractError``).
 
 ``model.episodes.on_error: raise`` stops the run naming the environment, the method and the episode;
 ``zero`` ends that episode with return 0 (its reward is 0 whatever the reward functions say, see
-``episodes.sampler.zero_failed``), counts it (``rollout/env_errors``), warns once per run, and stops the
+the rewards pipeline's ``failed=``), counts it (``rollout/env_errors``), warns once per run, and stops the
 run when more than ``max_error_frac`` of a step's episodes (over all ranks) failed.
 """
 

@@ -59,10 +59,11 @@ CHARS_PER_TOKEN = 16
 def episode_runner(environment: Environment | None, tools: list[str] | None, *, tokenizer: Any,
                    chat: bool, max_turns: int, max_new_tokens: int, max_episode_tokens: int | None,
                    max_prompt_length: int, context: int | None, tool_format: str, tool_timeout: float,
-                   on_env_error: Literal["raise", "zero"],
-                   max_error_frac: float = 0.5) -> EpisodeRunner | None:
+                   on_env_error: Literal["raise", "zero"], max_error_frac: float = 0.5,
+                   allow_unsafe_tools: bool = False) -> EpisodeRunner | None:
     """The runner for ``OnlineRL``'s episode keys, or ``None`` when there is neither an environment nor tools
-    (single-turn rollouts). ``context``: the model's longest sequence, which prompt + episode must fit."""
+    (single-turn rollouts). ``context``: the model's longest sequence, which prompt + episode must fit;
+    unsafe tools are refused unless ``allow_unsafe_tools``."""
     if environment is None and not tools:
         if max_episode_tokens is not None:
             raise ValueError("`model.episodes.max_episode_tokens` applies to episodes: set "
@@ -77,7 +78,8 @@ def episode_runner(environment: Environment | None, tools: list[str] | None, *, 
         raise ValueError(f"`model.policy.max_prompt_length` ({max_prompt_length}) + "
                          f"`model.episodes.max_episode_tokens` ({budget}) is more than the model's "
                          f"context of {context} tokens")
-    return EpisodeRunner(environment, load_tools(tools or []), make_tool_format(tool_format, tokenizer, chat),
+    loaded = load_tools(tools or [], allow_unsafe=allow_unsafe_tools)
+    return EpisodeRunner(environment, loaded, make_tool_format(tool_format, tokenizer, chat),
                          tokenizer, chat=chat, max_turns=max_turns, max_episode_tokens=budget,
                          tool_timeout=tool_timeout, on_env_error=on_env_error, max_error_frac=max_error_frac,
                          max_prompt_length=max_prompt_length)

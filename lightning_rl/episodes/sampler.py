@@ -76,11 +76,11 @@ class Sampler:
         gen_time = time.perf_counter() - start
         returns, said = (episodes.returns, episodes.said_correct) if episodes is not None else (None, None)
         result = self.rewards([p for p in prompts for _ in range(G)], texts, gen.lengths.tolist(), columns,
-                              collectives=collectives, decide=decide, returns=returns, said_correct=said)
+                              collectives=collectives, decide=decide, returns=returns, said_correct=said,
+                              failed=None if episodes is None else episodes.failed)
         rewards, correct, stats = result.rewards, result.correct, result.stats
         outcome = None if result.outcome is None else result.outcome.to(device)
         if episodes is not None:
-            rewards, correct, outcome = zero_failed(episodes.failed, rewards, correct, outcome)
             stats = {**stats, **episodes.stats}
             gen_time -= stats["perf/env_time"]
         group_ids = torch.arange(len(prompts), device=device).repeat_interleave(G)
@@ -89,13 +89,6 @@ class Sampler:
         sampled = gen.lengths if gen.model_mask is None else gen.model_mask.sum(-1)
         return rollout, {**stats, "perf/generation_time": gen_time,
                          "perf/generated_tokens": float(sampled.sum())}
-
-
-def zero_failed(failed: Tensor, *values: Tensor | None) -> tuple[Tensor | None, ...]:
-    """Each of ``values`` (``[N]`` rewards, correctness, outcomes; ``None`` kept) with 0 / False where the
-    episode's environment ``failed``: whatever the reward functions, a reward model or shaping said, a
-    failed episode scores 0."""
-    return tuple(None if v is None else v.masked_fill(failed.to(v.device), 0) for v in values)
 
 
 def run_episodes(runner: EpisodeRunner, batch: dict[str, list], io: PolicyIO, *, num_samples: int,

@@ -109,11 +109,10 @@ def unsafe(fn: Any) -> tuple[str, str] | None:
     return None
 
 
-def load_tools(paths: Sequence[str | Tool], allow_unsafe: bool = False) -> list[Tool]:
+def load_tools(paths: Sequence[str], allow_unsafe: bool = False) -> list[Tool]:
     """Import the tools named ``package.module:function`` (``package.module.function`` also accepted).
 
-    An attribute that already is a ``Tool`` is used as is, and so is a ``Tool`` given instead of a path
-    (already loaded and checked, e.g. by the option group's assembly).
+    An attribute that already is a ``Tool`` is used as is.
 
     Raises:
         ValueError: naming ``model.episodes.tools`` and the entry: bad format, module or attribute not found,
@@ -122,28 +121,8 @@ def load_tools(paths: Sequence[str | Tool], allow_unsafe: bool = False) -> list[
     """
     tools: dict[str, Tool] = {}
     for path in paths:
-        if isinstance(path, Tool):
-            if path.name in tools:
-                raise ValueError(f"`model.episodes.tools`: a tool named `{path.name}` is already listed")
-            tools[path.name] = path
-            continue
-        module_name, sep, attr = str(path).partition(":")
-        if not sep:
-            module_name, _, attr = str(path).rpartition(".")
-        if not module_name or not attr:
-            raise ValueError(f"`model.episodes.tools` entry `{path}` must look like "
-                             "`package.module:function`")
         where = f"`model.episodes.tools` entry `{path}`"
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as err:
-            raise ValueError(f"{where}: cannot import module `{module_name}`: {err}{moved_hint(module_name)}"
-                             ) from err
-        if not hasattr(module, attr):
-            raise ValueError(f"{where}: module `{module_name}` has no attribute `{attr}`")
-        obj = getattr(module, attr)
-        if not isinstance(obj, Tool) and not callable(obj):
-            raise ValueError(f"{where} is not callable")
+        obj = import_tool(str(path), where)
         refuse_unsafe(obj.fn if isinstance(obj, Tool) else obj, where, allow_unsafe)
         try:
             tool = obj if isinstance(obj, Tool) else Tool.from_function(obj)
@@ -153,6 +132,26 @@ def load_tools(paths: Sequence[str | Tool], allow_unsafe: bool = False) -> list[
             raise ValueError(f"{where}: a tool named `{tool.name}` is already listed")
         tools[tool.name] = tool
     return list(tools.values())
+
+
+def import_tool(path: str, where: str) -> Any:
+    """The callable (or ``Tool``) that ``path`` names; ``ValueError`` naming ``where`` otherwise."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"{where} must look like `package.module:function`")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"{where}: cannot import module `{module_name}`: {err}{moved_hint(module_name)}"
+                         ) from err
+    if not hasattr(module, attr):
+        raise ValueError(f"{where}: module `{module_name}` has no attribute `{attr}`")
+    obj = getattr(module, attr)
+    if not isinstance(obj, Tool) and not callable(obj):
+        raise ValueError(f"{where} is not callable")
+    return obj
 
 
 def refuse_unsafe(fn: Any, where: str, allow_unsafe: bool) -> None:

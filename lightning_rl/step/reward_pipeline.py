@@ -108,9 +108,11 @@ class RewardPipeline:
         )
 
     def score(self, prompts: Sequence[Any], texts: list[str], lengths: list[int], columns: dict[str, list],
-              returns: Sequence[float] | None = None) -> tuple[Any, RewardScores]:
+              returns: Sequence[float] | None = None,
+              failed: Sequence[bool] | None = None) -> tuple[Any, RewardScores]:
         """``[N]`` rewards (functions + reward model + an episode's ``returns``, unshaped: what validation,
-        predictions and sample tables show) and the functions' scores."""
+        predictions and sample tables show; 0 where the episode's environment ``failed``) and the functions'
+        scores."""
         import torch
 
         if self.scorer is not None:
@@ -128,18 +130,20 @@ class RewardPipeline:
             rewards = rewards + self.reward_model_weight * model_scores.cpu().float()
         if returns is not None:
             rewards = rewards + torch.as_tensor(returns, dtype=torch.float32)
-        return rewards, scores
+        return unless_failed(rewards, failed), scores
 
     def __call__(self, prompts: Sequence[Any], texts: list[str], lengths: list[int], columns: dict[str, list],
                  *, collectives: Any = None, decide: bool = True, returns: Any = None,
-                 said_correct: Sequence[bool | None] | None = None) -> RewardResult:
+                 said_correct: Sequence[bool | None] | None = None,
+                 failed: Sequence[bool] | None = None) -> RewardResult:
         """Score one batch; warnings on rank 0. ``decide``: whether too many rewards failed, on counts summed
         over ranks (every rank once per step, on its first batch; refill rounds are rank-dependent in
         number, so they never decide, their failures are counted and warned about).
 
         Episodes: ``returns`` (``[N]``, each episode's environment rewards) are added last;
         ``said_correct`` (the environments' ``info["correct"]``) is the correctness when every episode has
-        one, else ``correctness_fn`` decides."""
+        one, else ``correctness_fn`` decides; an episode whose environment ``failed`` (``on_error: zero``)
+        gets reward 0 and is not correct, whatever the functions, a reward model or shaping said."""
         import torch
 
         start = time.perf_counter()
@@ -156,8 +160,9 @@ class RewardPipeline:
             rewards = rewards + penalty
         if returns is not None:
             rewards = rewards + returns
-        correct = self.correctness(prompts, texts, columns, scores, said_correct)
-        outcome = self.outcome(correct, scores, said_correct)
+        correct = unless_failed(self.correctness(prompts, texts, columns, scores, said_correct), failed)
+        outcome = unless_failed(self.outcome(correct, scores, said_correct), failed)
+        rewards = unless_failed(rewards, failed)
         stats = {"rollout/reward_errors": float(len(scores.failed)),
                  "rollout/overlong_penalty_mean": float(penalty.mean()) if len(penalty) else 0.0,
                  "perf/reward_time": time.perf_counter() - start}
@@ -221,3 +226,12 @@ class RewardPipeline:
         failed, total = collectives.sum(counts).tolist()
         where = f"rank {collectives.rank}" if collectives.world_size > 1 else ""
         self.scorer.check_failures(scores, failed, total, where)
+
+
+def unless_failed(values: Any, failed: Sequence[bool] | None) -> Any:
+    """``[N]`` ``values`` with 0 / False where the episode's environment ``failed`` (``None``: none did)."""
+    if failed is None:
+        return values
+    import torch
+
+    return values.masked_fill(torch.as_tensor(failed, dtype=torch.bool), 0)
