@@ -18,3 +18,12 @@ def moved_hint(module_name: str) -> str:
         if importlib.util.find_spec(f"lightning_rl.{layer}.{rest}") is not None:
             return f" (it moved to `lightning_rl.{layer}.{rest}`)"
     return ""
+
+
+def split_import_path(path: str) -> tuple[str, str]:
+    """``("package.module", "name")`` of a YAML import path ``package.module:name`` (``package.module.name``
+    also accepted); an empty part where the path has none (the caller names what it expected)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    return module_name, attr

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_rl import moved_hint
+from lightning_rl import moved_hint, split_import_path
 from lightning_rl.episodes.calculator import calculator
 from lightning_rl.episodes.tool_schemas import tool_schema
 from lightning_rl.sandbox import python as sandbox_python
@@ -136,9 +136,7 @@ def load_tools(paths: Sequence[str], allow_unsafe: bool = False) -> list[Tool]:
 
 def import_tool(path: str, where: str) -> Any:
     """The callable (or ``Tool``) that ``path`` names; ``ValueError`` naming ``where`` otherwise."""
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
+    module_name, attr = split_import_path(path)
     if not module_name or not attr:
         raise ValueError(f"{where} must look like `package.module:function`")
     try:

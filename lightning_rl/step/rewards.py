@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lightning_rl import moved_hint
+from lightning_rl import moved_hint, split_import_path
 from lightning_rl.step.workers import WORKERS, CallRaised, CallTimedOut, Worker, WorkerDied, awaited
 
 RewardFn = Callable[..., Sequence[float]]
@@ -29,9 +29,7 @@ RewardFn = Callable[..., Sequence[float]]
 
 def import_reward(path: str) -> RewardFn:
     """Import ``package.module:function`` (``package.module.function`` also accepted)."""
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
+    module_name, attr = split_import_path(path)
     if not module_name or not attr:
         raise ValueError(f"reward function `{path}` must look like `package.module:function`")
     try:
