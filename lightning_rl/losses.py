@@ -7,6 +7,7 @@ inside the package imports from the defining module; users and the contract test
 
 from lightning_rl.maths.advantages import (
     dapo_group_keep,
+    distillation_advantages,
     explained_variance,
     gae_advantages,
     group_advantages,
@@ -68,5 +69,5 @@ __all__ = [
     "token_rewards", "whiten", "SAPO_LOG_RATIO_CLAMP", "TRUST_REGION_INPUTS", "cispo_surrogate",
     "trust_region_options", "reinforce_baseline_advantages", "reinforce_baseline_centered",
     "rloo_advantages", "rollout_is_weights", "rollout_mismatch_stats", "ROLLOUT_IS_LEVELS",
-    "ROLLOUT_IS_MODES", "RolloutISLevel", "RolloutISMode",
+    "ROLLOUT_IS_MODES", "RolloutISLevel", "RolloutISMode", "distillation_advantages",
 ]

@@ -104,6 +104,37 @@ def gae_advantages(
     return advantages, (advantages + values) * m
 
 
+@torch.no_grad()
+def distillation_advantages(
+    teacher_logp: Tensor, student_logp: Tensor, mask: Tensor, coef: float = 1.0, discount: float = 0.0
+) -> Tensor:
+    """On-policy distillation's per-token advantages: the negative reverse KL to the teacher on the
+    student's own samples, ``r_t = coef * (teacher_logp_t - student_logp_t)``, summed over later tokens
+    with ``discount``: ``A_t = sum_{k >= t} discount^(k - t) r_k`` (``discount`` 0: ``A_t = r_t``, the
+    Tinker cookbook's default; 1: the reverse KL of the rest of the sequence).
+
+    ``k - t`` counts valid tokens only: positions outside ``mask`` inside a row (an episode's observation
+    tokens) are skipped, as GAE skips them (this is :func:`gae_advantages` with ``V = 0``, ``lam = 1``).
+    ``-sum_t r_t / coef`` of a row is the sampled estimate of KL(student || teacher) of that sequence.
+
+    Args:
+        teacher_logp, student_logp: ``[B, T]`` log-probs of the sampled tokens under the teacher and under
+            the policy that sampled them, at the sampling temperature.
+        mask: ``[B, T]`` 1 on the tokens that count. coef: > 0. discount: in [0, 1].
+
+    Returns:
+        ``[B, T]`` float, 0 outside ``mask``, no gradient.
+    """
+    check_shapes("teacher_logp", teacher_logp, ndim=2, student_logp=student_logp, mask=mask)
+    if not coef > 0 or not 0.0 <= discount <= 1.0:
+        raise ValueError(f"`coef` must be > 0 and `discount` in [0, 1], got {coef} and {discount}")
+    m = mask.bool()
+    per_token = torch.where(m, coef * (teacher_logp.float() - student_logp.float()), 0.0)
+    if discount == 0.0:
+        return per_token
+    return gae_advantages(per_token, torch.zeros_like(per_token), m, gamma=discount, lam=1.0)[0]
+
+
 def dapo_group_keep(correct: Tensor, group_size: int) -> Tensor:
     """DAPO dynamic sampling: keep groups that are neither all-correct nor all-wrong.
 

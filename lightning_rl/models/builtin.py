@@ -4,6 +4,8 @@ The embedded default is a 2-layer Llama over a character tokenizer made with the
 library; its warm-started weights (``configs/sft.yaml``) ship as package data in
 ``lightning_rl/data/tiny_sort``, so every config runs with no network. ``builtin:tiny-tools`` is the same
 model briefly warm-started on calculator tool traces (``configs/sft_tools.yaml``), in ``data/tiny_tools``.
+``builtin:tiny-sort-teacher`` is the warm start after 600 steps of ``configs/grpo.yaml``
+(``make teacher-model``), in ``data/tiny_sort_teacher``: the teacher of ``configs/distill.yaml``.
 ``builtin:tiny-scratch`` is the same architecture freshly initialised (:func:`tiny_llama_config`).
 
 The tokenizer is saved as an ordinary Hugging Face tokenizer folder, which ``AutoTokenizer`` reloads
@@ -24,9 +26,12 @@ from transformers import LlamaConfig, PreTrainedTokenizerBase, PreTrainedTokeniz
 # not depend on the data package; find_spec only imports the parent, `lightning_rl`).
 EMBEDDED_MODEL = str(Path(find_spec("lightning_rl.data").origin).parent / "tiny_sort")
 TOOLS_MODEL = str(Path(EMBEDDED_MODEL).parent / "tiny_tools")  # warm-started on calculator tool traces
+TEACHER_MODEL = str(Path(EMBEDDED_MODEL).parent / "tiny_sort_teacher")  # the warm start after GRPO
 # the built-in names that are shipped folders; `builtin:tiny-scratch` is built from a config
-BUILTIN_FOLDERS = {"builtin:tiny-sort": EMBEDDED_MODEL, "builtin:tiny-tools": TOOLS_MODEL}
-BUILTIN_MODELS = ("builtin:tiny-sort", "builtin:tiny-tools", "builtin:tiny-scratch")
+BUILTIN_FOLDERS = {"builtin:tiny-sort": EMBEDDED_MODEL, "builtin:tiny-tools": TOOLS_MODEL,
+                   "builtin:tiny-sort-teacher": TEACHER_MODEL}
+BUILTIN_MODELS = ("builtin:tiny-sort", "builtin:tiny-tools", "builtin:tiny-sort-teacher",
+                  "builtin:tiny-scratch")
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
 ALPHABET = "".join(sorted(set(string.printable) - set("\t\r\x0b\x0c")))  # printable ASCII + space + newline

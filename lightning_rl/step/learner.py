@@ -34,7 +34,13 @@ class Learner:
         advantage: the advantage estimator, the last stage.
         updater: epochs, minibatches and micro-batches of the update.
         seed: the run's seed; minibatches are shuffled by ``(seed, step)``.
+
+    Attributes:
+        reads_behaviour: a stage before the update reads the sampling policy's log-probs (distillation's
+            advantages): an on-policy step then scores them unless the engine returned them.
     """
+
+    reads_behaviour = False
 
     def __init__(self, behaviour: str, temperature: float, correction: Callable, before: Sequence[Stage],
                  advantage: Stage, updater: Updater, seed: int) -> None:
@@ -44,6 +50,8 @@ class Learner:
     def passes(self, engine: Any) -> LogProbPasses:
         """This step's log-prob passes (the behaviour source resolved against the engine attached now)."""
         behaviour = resolve_behaviour(self.behaviour, self.updater.updates_per_rollout, engine)
+        if behaviour == "on_policy" and self.reads_behaviour and not engine.returns_logprobs:
+            behaviour = "recompute"  # the same numbers as the current log-probs before the update
         return LogProbPasses(behaviour, self.temperature, self.updater.micro_batch_size)
 
     def prepare(self, rollout: Rollout, *, policy: Any, reference: Any, engine: Any, collectives: Collectives,

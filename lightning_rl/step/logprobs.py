@@ -138,3 +138,32 @@ class CriticValues:
     def __call__(self, rollout: Rollout, collectives: Collectives) -> tuple[Rollout, dict[str, float]]:
         return replace(rollout, values=score_values(self.critic, rollout, self.micro_batch_size,
                                                     collectives)), {}
+
+
+class TeacherLogProbs:
+    """The stage that scores the sampled tokens under a frozen distillation teacher (``rollout.teacher_logp``)
+    at the sampling temperature, on the unfiltered distribution like every log-prob pass.
+
+    The teacher is whole on every rank (never sharded, like the reference): its forwards are local, so a
+    rank with fewer rows makes fewer of them without meeting another rank's collective.
+
+    Args:
+        teacher: a frozen scorer with ``token_logprobs`` (``lightning_rl.models.teacher.load_teacher``).
+        temperature: the sampling temperature the tokens were drawn at.
+        micro_batch_size: rows per forward (``None``: the whole rollout at once).
+    """
+
+    def __init__(self, teacher: Any, temperature: float, micro_batch_size: int | None) -> None:
+        self.teacher, self.temperature, self.micro_batch_size = teacher, temperature, micro_batch_size
+
+    def __call__(self, rollout: Rollout, collectives: Collectives) -> tuple[Rollout, dict[str, float]]:
+        start = time.perf_counter()
+        teacher_logp = score_rollout(self.teacher, rollout, temperature=self.temperature,
+                                     micro_batch_size=self.micro_batch_size, collectives=collectives)
+        # a non-finite teacher log-prob leaves the loss, as a non-finite behaviour or reference one does
+        valid = rollout.loss_mask.bool()
+        keep = valid & torch.isfinite(teacher_logp)
+        rollout = replace(rollout, teacher_logp=torch.where(keep, teacher_logp, 0.0),
+                          loss_mask=keep.to(rollout.loss_mask.dtype))
+        return rollout, {"perf/teacher_time": time.perf_counter() - start,
+                         "distill/teacher_excluded_tokens": float((valid & ~keep).sum())}

@@ -41,6 +41,7 @@ class Rollout:
         old_logp: ``[N, C]`` behaviour-policy log-probs, or ``None`` on-policy (one update per rollout from
             the trained module: the ratio is 1 and the current log-probs, detached, stand in).
         ref_logp: ``[N, C]`` reference log-probs, or ``None`` when no KL term is on.
+        teacher_logp: ``[N, C]`` a distillation teacher's log-probs of the sampled tokens, else ``None``.
         rollout_logp: ``[N, C]`` the engine's log-probs of the sampled tokens, when it returns them.
         is_weights: ``[N, C]`` off-policy correction weights (``lightning_rl.step.correction``), or ``None``.
         token_rewards: ``[N, C]`` per-token rewards (the score on the last token minus a KL-in-reward
@@ -70,6 +71,7 @@ class Rollout:
     advantages: Tensor | None = None
     old_logp: Tensor | None = None
     ref_logp: Tensor | None = None
+    teacher_logp: Tensor | None = None
     rollout_logp: Tensor | None = None
     token_rewards: Tensor | None = None
     is_weights: Tensor | None = None

@@ -1,4 +1,5 @@
-"""A killed GRPO run resumed with `fit --ckpt_path last` continues exactly like the uninterrupted run."""
+"""A killed GRPO (or on-policy distillation) run resumed with `fit --ckpt_path last` continues exactly like
+the uninterrupted run."""
 
 from __future__ import annotations
 
@@ -32,10 +33,10 @@ data:
 """
 
 
-def _run(tmp_path, name: str, ckpt_dir, max_steps: int, resume: bool = False) -> dict:
+def _run(tmp_path, name: str, ckpt_dir, max_steps: int, resume: bool = False, config: str = "grpo") -> dict:
     overlay = tmp_path / f"{name}.yaml"
     overlay.write_text(TINY.format(ckpt=ckpt_dir))
-    args = ["fit", "--config", CONFIGS / "grpo.yaml", "--config", overlay,
+    args = ["fit", "--config", CONFIGS / f"{config}.yaml", "--config", overlay,
             "--trainer.max_steps", str(max_steps), "--trainer.logger.init_args.save_dir", tmp_path / name]
     if resume:
         args += ["--ckpt_path", "last"]
@@ -43,16 +44,18 @@ def _run(tmp_path, name: str, ckpt_dir, max_steps: int, resume: bool = False) ->
     return scalars(tmp_path / name)
 
 
-KEYS = ["policy/loss", "policy/approx_kl", "policy/kl_ref", "policy/grad_norm", "rollout/reward_mean",
-        "rollout/response_length_mean", "policy/ratio_mean"]
+COMMON_KEYS = ["policy/loss", "policy/approx_kl", "policy/grad_norm", "rollout/reward_mean",
+               "rollout/response_length_mean", "policy/ratio_mean"]
+KEYS = {"grpo": [*COMMON_KEYS, "policy/kl_ref"], "distill": [*COMMON_KEYS, "distill/reverse_kl"]}
 
 
-def test_resume_continues_exactly(tmp_path):
-    full = _run(tmp_path, "full", tmp_path / "ckpt_full", max_steps=8)
-    _run(tmp_path, "killed", tmp_path / "ckpt", max_steps=4)
+@pytest.mark.parametrize("config", ["grpo", "distill"])
+def test_resume_continues_exactly(tmp_path, config):
+    full = _run(tmp_path, "full", tmp_path / "ckpt_full", max_steps=8, config=config)
+    _run(tmp_path, "killed", tmp_path / "ckpt", max_steps=4, config=config)
     assert (tmp_path / "ckpt" / "last.ckpt").exists()
-    resumed = _run(tmp_path, "resumed", tmp_path / "ckpt", max_steps=8, resume=True)
-    for key in KEYS:
+    resumed = _run(tmp_path, "resumed", tmp_path / "ckpt", max_steps=8, resume=True, config=config)
+    for key in KEYS[config]:
         # metrics are logged once per RL step (rollout), at the optimiser step it reached: 2, 4, 6, 8
         tail_full = [(s, v) for s, v in full[key] if s > 4]
         tail_resumed = [(s, v) for s, v in resumed[key] if s > 4]
