@@ -63,7 +63,8 @@ class Record(RLCallback):
             return
         loss = rollout.loss_mask.bool()
         observation = rollout.attention_mask.bool() & ~loss
-        gap = rollout.old_logp - rollout.teacher_logp
+        student = rollout.old_logp if rollout.old_logp is not None else rollout.rollout_logp
+        gap = student - rollout.teacher_logp
         self.distill.append({
             "gap_sum": float(gap[loss].sum()), "count": int(loss.sum()),
             "advantage_error": float((rollout.advantages + gap)[loss].abs().max()) if loss.any() else 0.0,

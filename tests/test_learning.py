@@ -77,3 +77,16 @@ def test_sapo_learns(tmp_path, warm_start):
     # measured: warm start 0.562 -> 0.762 (seed 0), 0.754 (seed 1)
     assert logged["val/accuracy"][-1] >= warm_start + 0.1, (warm_start, logged["val/accuracy"])
     assert min(logged["policy/gate_weight_mean"]) < 1
+
+
+def test_distillation_learns(tmp_path, warm_start):
+    """The student (the warm start) distils from ``builtin:tiny-sort-teacher`` (0.938 held out): accuracy
+    rises and the reverse KL to the teacher on the student's own samples falls."""
+    logged = learn(tmp_path, "distill.yaml", "--trainer.max_steps", "60", "--trainer.val_check_interval", "60",
+                   "--model.init_args.teacher.model", "builtin:tiny-sort-teacher",
+                   "--model.init_args.teacher.coef", "1.0", "--model.init_args.teacher.discount", "0.0",
+                   "--model.init_args.teacher.reward_weight", "0.0")
+    # measured: warm start 0.562 -> 0.809 (seed 0)
+    assert logged["val/accuracy"][-1] >= warm_start + 0.15, (warm_start, logged["val/accuracy"])
+    kl = logged["distill/reverse_kl"]
+    assert sum(kl[-10:]) / 10 < 0.6 * sum(kl[:10]) / 10, kl

@@ -49,7 +49,9 @@ class OnPolicyDistillation(OnlineRL):
         self.__dict__["teacher"] = load_teacher(teacher, self.tokenizer, self.policy_options.model)
         self.learner.before.insert(0, TeacherLogProbs(self.teacher, sampling.temperature,
                                                       self.updater.micro_batch_size))
-        self.learner.reads_behaviour = True
+        self.learner.reads_behaviour = True  # the student's log-probs: the sampler's own, or a scoring pass
+        if hasattr(self.engine, "keep_logprobs"):
+            self.engine.keep_logprobs()
 
     def on_fit_start(self) -> None:
         super().on_fit_start()

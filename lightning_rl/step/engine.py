@@ -126,6 +126,12 @@ class HFEngine(RolloutEngine):
         twin.synced = False
         return twin
 
+    def keep_logprobs(self) -> None:
+        """Generations carry the sampled tokens' log-probs (``rollout_logp``) for a stage that reads them
+        (distillation's advantages): free from the compacting sampler's own logits, one scoring pass after
+        transformers' ``generate``. The engine still samples with the trained module."""
+        self.returns_logprobs = True
+
     def sample_ahead(self) -> None:
         """Sampling runs ahead of the learner (``model.sampling.max_staleness``): the weights that sample
         are not the trained module's, so generations carry their log-probs (the behaviour policy's) and

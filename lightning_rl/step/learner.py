@@ -37,7 +37,7 @@ class Learner:
 
     Attributes:
         reads_behaviour: a stage before the update reads the sampling policy's log-probs (distillation's
-            advantages): an on-policy step then scores them unless the engine returned them.
+            advantages): an on-policy step then scores them when the engine did not return them.
     """
 
     reads_behaviour = False
@@ -47,10 +47,10 @@ class Learner:
         self.behaviour, self.temperature, self.correction = behaviour, temperature, correction
         self.before, self.advantage, self.updater, self.seed = list(before), advantage, updater, seed
 
-    def passes(self, engine: Any) -> LogProbPasses:
+    def passes(self, engine: Any, rollout: Rollout) -> LogProbPasses:
         """This step's log-prob passes (the behaviour source resolved against the engine attached now)."""
         behaviour = resolve_behaviour(self.behaviour, self.updater.updates_per_rollout, engine)
-        if behaviour == "on_policy" and self.reads_behaviour and not engine.returns_logprobs:
+        if behaviour == "on_policy" and self.reads_behaviour and rollout.rollout_logp is None:
             behaviour = "recompute"  # the same numbers as the current log-probs before the update
         return LogProbPasses(behaviour, self.temperature, self.updater.micro_batch_size)
 
@@ -58,7 +58,7 @@ class Learner:
                 companions: Sequence[Stage] = ()) -> tuple[Rollout, dict[str, float]]:
         """The rollout with behaviour / reference log-probs, correction weights and advantages, and every
         stage's statistics (``companions``: the companions' stages, run first before the advantages)."""
-        rollout, stats = self.passes(engine)(rollout, policy, reference, collectives)
+        rollout, stats = self.passes(engine, rollout)(rollout, policy, reference, collectives)
         rollout, excluded = exclude_nonfinite(rollout)
         rollout, weights = self.correction(rollout)
         stats = {**stats, **weights, "rollout/excluded_tokens": excluded}

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torchmetrics import MaxMetric, MeanMetric
 
-STEP_STAT_PREFIXES = ("perf/", "rollout/", "critic/", "policy/", "distill/")  # step statistics that are logged
+# the step statistics that are logged
+STEP_STAT_PREFIXES = ("perf/", "rollout/", "critic/", "policy/", "distill/")
 NOT_LOGGED = ("perf/generated_tokens",)
 
 
