@@ -86,7 +86,7 @@ def test_distillation_learns(tmp_path, warm_start):
                    "--model.init_args.teacher.model", "builtin:tiny-sort-teacher",
                    "--model.init_args.teacher.coef", "1.0", "--model.init_args.teacher.discount", "0.0",
                    "--model.init_args.teacher.reward_weight", "0.0")
-    # measured: warm start 0.562 -> 0.809 (seed 0)
+    # measured: warm start 0.562 -> 0.809 (seed 0), 0.828 (seed 1)
     assert logged["val/accuracy"][-1] >= warm_start + 0.15, (warm_start, logged["val/accuracy"])
     kl = logged["distill/reverse_kl"]
     assert sum(kl[-10:]) / 10 < 0.6 * sum(kl[:10]) / 10, kl
