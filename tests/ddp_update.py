@@ -76,7 +76,7 @@ class Probe(GRPO):
         rollout = fixed_rollout(self)
         world, rank = self.trainer.world_size, self.global_rank
         grads = {}
-        for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
+        for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
             self.objective = dataclasses.replace(self.objective, aggregation=mode)
             update(self, rollout.select(torch.arange(rank, len(rollout), world)))
             grads[mode] = {n: p.grad.detach().clone() for n, p in self.policy.named_parameters()}

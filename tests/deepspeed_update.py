@@ -1,4 +1,4 @@
-"""Three RL updates on a fixed rollout, on 1 process or under DeepSpeed ZeRO on 2 gloo CPU ranks.
+"""Four RL updates on a fixed rollout, on 1 process or under DeepSpeed ZeRO on 2 gloo CPU ranks.
 
     python tests/deepspeed_update.py OUT.pt DEVICES STAGE MICRO_BATCH_SIZE [SPLIT]
 
@@ -38,7 +38,7 @@ class Probe(GRPO):
         rollout = fixed_rollout(self)
         world, rank = self.trainer.world_size, self.global_rank
         weights = []
-        for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
+        for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
             self.objective = dataclasses.replace(self.objective, aggregation=mode)
             if SPLIT == "rank0":
                 rows = torch.arange(0, len(rollout), 2) if rank == 0 else torch.arange(0)

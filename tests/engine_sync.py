@@ -1,10 +1,12 @@
-"""A bf16 ``CopyEngine`` under DDP or FSDP2 on 2 gloo ranks: after every sync (each step, before sampling)
-the engine's weights equal the trained weights cast to bf16, gathered one parameter at a time.
+"""A half-precision ``CopyEngine`` under DDP or FSDP2 on 2 gloo ranks: after every sync (each step, before
+sampling) the engine's weights equal the trained weights cast to its dtype, gathered one parameter at a time.
 
-    python tests/engine_sync.py OUT_DIR ddp|fsdp2
+    python tests/engine_sync.py OUT_DIR ddp|fsdp2 [bfloat16|float16]
 
-Rank 0 writes ``OUT_DIR/result.json``: per step, the largest difference between the engine's weights and
-the (gathered) trained weights cast to bf16, the number of parameters compared, and the logged metrics.
+The dtype defaults to bfloat16 (tests/rank_jobs.py runs DDP with bf16 and FSDP2 with fp16, so both dtypes run
+under a multi-process strategy). Rank 0 writes ``OUT_DIR/result.json``: per step, the largest difference
+between the engine's weights and the (gathered) trained weights cast to the engine's dtype, the number of
+parameters compared, the dtype, and the logged metrics.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class Compare(RLCallback):
         mine = dict(pl_module.engine.copy.model.named_parameters())
         diff, count = 0.0, 0
         for name, param in pl_module.policy.model.named_parameters():  # every rank gathers each, in order
-            full = full_value(param.detach()).to(torch.bfloat16)
+            full = full_value(param.detach()).to(pl_module.engine.dtype)
             diff = max(diff, (mine[name].detach().cpu().float() - full.cpu().float()).abs().max().item())
             count += 1
         self.steps.append({"diff": diff, "count": count, "dtype": str(next(iter(mine.values())).dtype)})
@@ -48,6 +50,7 @@ class Compare(RLCallback):
 def main() -> None:
     torch.set_num_threads(1)
     out, kind = sys.argv[1], sys.argv[2]
+    dtype = sys.argv[3] if len(sys.argv) > 3 else "bfloat16"
     strategy = "ddp"
     if kind == "fsdp2":
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
@@ -58,7 +61,7 @@ def main() -> None:
                         callbacks=[compare])
     module = GRPO.configured(
         policy={"model": "builtin:tiny-sort", "max_prompt_length": 16},
-        sampling={"max_new_tokens": 8, "num_generations": 4}, engine=CopyEngine("bfloat16"),
+        sampling={"max_new_tokens": 8, "num_generations": 4}, engine=CopyEngine(dtype),
         objective={"kl_coef": 0.0}, optimizer=partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0))
     trainer.fit(module, PromptDataModule(batch_size=2))
     if trainer.global_rank == 0:

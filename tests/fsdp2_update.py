@@ -60,7 +60,7 @@ class Probe(GRPO):
         rollout = fixed_rollout(self)
         world, rank = self.trainer.world_size, self.global_rank
         grads = {}
-        for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
+        for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
             self.objective = dataclasses.replace(self.objective, aggregation=mode)
             if SPLIT == "rank0":
                 rows = torch.arange(0, len(rollout), 2) if rank == 0 else torch.arange(0)

@@ -83,7 +83,7 @@ JOBS: dict[str, list[dict]] = {
     "fsdp2/resume": resume("fsdp2"),
     "fsdp2/episodes": [run("episodes_fit.py", "{out}", "fsdp2")],
     "fsdp2/distill": [run("episodes_fit.py", "{out}", "fsdp2", "distill")],
-    "fsdp2/engine": [run("engine_sync.py", "{out}", "fsdp2")],
+    "fsdp2/engine": [run("engine_sync.py", "{out}", "fsdp2", "float16")],  # ddp/engine: bfloat16
     "fsdp2/lora": [run("fsdp2_fit.py", "{out}", "lora", "3", STRATEGY="fsdp2")],
     "zero3/dapo": [run("fsdp2_fit.py", "{out}", "dapo", "3", STRATEGY="zero3")],
     # 1 node x 2 processes, what tests/cli/test_multinode.py's two-node launches must equal

@@ -22,7 +22,7 @@ def test_gradient_does_not_depend_on_world_size(tmp_path, rank_jobs):
         diff = max((grads[n] - ddp[mode][n]).abs().max().item() for n in grads)
         assert scale > 1e-2, mode
         assert diff < 1e-6, (mode, diff, scale)
-    # the three aggregation modes really differ, so the comparison above covers three normalisations
+    # the aggregation modes really differ, so the comparison above covers each normalisation
     a, b = single["token-mean"], single["seq-mean-token-sum"]
     assert max((a[n] - b[n]).abs().max().item() for n in a) > 1e-4
 

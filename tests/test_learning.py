@@ -82,7 +82,8 @@ def test_sapo_learns(tmp_path, warm_start):
 def test_distillation_learns(tmp_path, warm_start):
     """The student (the warm start) distils from ``builtin:tiny-sort-teacher`` (0.938 held out): accuracy
     rises and the reverse KL to the teacher on the student's own samples falls."""
-    logged = learn(tmp_path, "distill.yaml", "--trainer.max_steps", "60", "--trainer.val_check_interval", "60",
+    logged = learn(tmp_path, "distill.yaml", "--trainer.max_steps", "60",
+                   "--trainer.val_check_interval", "60",
                    "--model.init_args.teacher.model", "builtin:tiny-sort-teacher",
                    "--model.init_args.teacher.coef", "1.0", "--model.init_args.teacher.discount", "0.0",
                    "--model.init_args.teacher.reward_weight", "0.0")

@@ -52,11 +52,18 @@ def update_stage(o: UpdateOptions) -> Updater:
     return Updater(o.epochs, o.num_minibatches, o.micro_batch_size, o.max_grad_norm)
 
 
-def objective_stages(o: ObjectiveOptions) -> tuple[Objective, KLInReward | None]:
+def objective_stages(o: ObjectiveOptions, *, default_length: int | None = None,
+                     ) -> tuple[Objective, KLInReward | None]:
     """The loss (its KL term off when the KL is in the reward) and the KL-in-reward penalty (``None`` unless
-    ``kl_in_reward`` with ``kl_coef`` > 0)."""
+    ``kl_in_reward`` with ``kl_coef`` > 0). ``default_length``: ``seq-mean-token-sum-norm``'s length when
+    the group leaves it unset, the completion budget (``max_new_tokens``, or the episode's); fixed, so that
+    the loss does not change with a batch's padding, micro-batch or rank."""
     axes = {f.name: getattr(o, f.name) for f in dataclasses.fields(Objective)}  # the group holds each axis
-    objective = Objective(**{**axes, "kl_coef": 0.0 if o.kl_in_reward else o.kl_coef})
+    length = o.aggregation_length
+    if length is None and o.aggregation == "seq-mean-token-sum-norm":
+        length = default_length
+    objective = Objective(**{**axes, "kl_coef": 0.0 if o.kl_in_reward else o.kl_coef,
+                             "aggregation_length": length})
     in_reward = o.kl_in_reward and o.kl_coef > 0
     return objective, KLInReward(o.kl_coef, o.kl_estimator, o.kl_target, o.kl_horizon) if in_reward else None
 

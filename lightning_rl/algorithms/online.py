@@ -82,12 +82,12 @@ class OnlineRL(ManualSteps, PolicyModule):
         self.share_prompt_prefix = sampling.share_prompt_prefix
         self.sampling = self.sampling_params(sampling.temperature, sampling.top_p, sampling.top_k)
         self.advantage = assembly.advantage_stage(advantage, sampling.num_generations)
-        self.objective, self.kl_reward = assembly.objective_stages(objective)
         self.entropy_coef = objective.entropy_coef
         self.episodes, self.prompt_tools = assembly.episode_stage(
             episodes, tokenizer=self.tokenizer, chat=self.chat_template, max_new_tokens=self.max_new_tokens,
             max_prompt_length=self.max_prompt_length, context=self.policy.context_length)
         budget = self.episodes.max_episode_tokens if self.episodes is not None else self.max_new_tokens
+        self.objective, self.kl_reward = assembly.objective_stages(objective, default_length=budget)
         stages = assembly.reward_stages(rewards, environment_only=episodes.environment is not None,
                                         budget=budget, render=self.render_for_reward_model,
                                         trust_remote_code=policy.trust_remote_code)

@@ -237,7 +237,8 @@ class ObjectiveOptions:
         clip_ratio_c: dual-clip bound for negative advantages (``None``: off).
         tau_pos: the soft gate's temperature for positive advantages.
         tau_neg: the soft gate's temperature for negative advantages.
-        aggregation: ``token-mean``, ``seq-mean-token-mean`` or ``seq-mean-token-sum``.
+        aggregation: ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum`` or
+            ``seq-mean-token-sum-norm`` (Dr. GRPO: each sequence's token sum over ``aggregation_length``).
         kl_coef: weight of the KL to the reference (0: no reference is built).
         kl_estimator: ``k1``, ``k2`` or ``k3``.
         kl_clamp: clamp the per-token KL term in the loss to ``[-kl_clamp, kl_clamp]`` (``None``: off).
@@ -246,6 +247,9 @@ class ObjectiveOptions:
         kl_target: with ``kl_in_reward``, an adaptive coefficient aiming at this mean KL (``None``: fixed).
         kl_horizon: the adaptive coefficient's horizon in steps.
         entropy_coef: weight of an entropy bonus aggregated like the loss (0: off; always logged).
+        aggregation_length: the constant normalising length of ``seq-mean-token-sum-norm`` (only that
+            aggregation reads it); ``None``: ``sampling.max_new_tokens``, or the episode budget
+            (``episodes.max_episode_tokens``) in multi-turn episodes.
     """
 
     ratio_level: RatioLevel = "token"
@@ -263,15 +267,22 @@ class ObjectiveOptions:
     kl_target: float | None = None
     kl_horizon: int = 10000
     entropy_coef: float = 0.0
+    aggregation_length: int | None = None
 
     def __post_init__(self) -> None:
+        length = self.aggregation_length
         require("objective", kl_coef=(self.kl_coef >= 0, self.kl_coef, ">= 0"),
+                aggregation_length=(length is None or length >= 1, length, ">= 1 or null"),
                 entropy_coef=(self.entropy_coef >= 0, self.entropy_coef, ">= 0"),
                 kl_horizon=(self.kl_horizon >= 1, self.kl_horizon, ">= 1"),
                 kl_target=(self.kl_target is None or self.kl_target > 0, self.kl_target, "> 0 or null"))
         if self.kl_target is not None and not (self.kl_in_reward and self.kl_coef > 0):
             raise ValueError("`model.objective.kl_target` (adaptive KL) needs `model.objective.kl_in_reward: "
                              "true` and `model.objective.kl_coef` > 0")
+        if length is not None and self.aggregation != "seq-mean-token-sum-norm":
+            raise ValueError(f"`model.objective.aggregation_length` has no effect under "
+                             f"`model.objective.aggregation: {self.aggregation}` (only "
+                             f"seq-mean-token-sum-norm reads it); leave it null, got {length}")
 
 
 @dataclass(frozen=True)

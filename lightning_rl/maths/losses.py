@@ -93,7 +93,7 @@ def policy_loss(
     ratio_level: str = "token", trust_region: str = "clip",
     trust_region_args: Mapping[str, Any] | None = None, aggregation: str = "seq-mean-token-mean",
     kl_coef: float = 0.0, kl_estimator: str = "k3", num_tokens: Count = None, num_seqs: Count = None,
-    token_weights: Tensor | None = None, kl_clamp: float | None = None,
+    token_weights: Tensor | None = None, kl_clamp: float | None = None, aggregation_length: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Every policy objective: ``aggregate(surrogate(logp, log r, A, mask) + kl_coef * KL(pi || pi_ref))``.
 
@@ -111,6 +111,8 @@ def policy_loss(
             :func:`rollout_is_weights`), or None; the KL term is not weighted.
         kl_clamp: the per-token KL term in the loss is clamped to ``[-kl_clamp, kl_clamp]`` (verl clamps its
             low-variance KL at 10): a token past it adds no KL gradient. ``None``: no clamp.
+        aggregation_length: the constant ``L`` of ``seq-mean-token-sum-norm`` (``norm_length`` of
+            :func:`aggregate`; ``None``: ``T``); the other aggregations ignore it.
 
     Returns:
         ``(loss, metrics)``: ``policy/{approx_kl, ratio_mean}``, the trust region's stats (``clip_frac*`` or
@@ -127,7 +129,8 @@ def policy_loss(
         term, kl_metrics = _reference_kl(logp, ref_logp, mask, kl_estimator, kl_clamp)
         per_token = per_token + kl_coef * term if kl_coef != 0 else per_token
         metrics.update(kl_metrics)
-    return aggregate(per_token, mask, aggregation, num_tokens=num_tokens, num_seqs=num_seqs), metrics
+    return aggregate(per_token, mask, aggregation, num_tokens=num_tokens, num_seqs=num_seqs,
+                     norm_length=aggregation_length), metrics
 
 
 def _surrogate_loss(

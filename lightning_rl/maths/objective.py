@@ -40,12 +40,16 @@ class Objective:
         tau_pos, tau_neg: SAPO gate temperatures for positive / negative advantages (``soft_gate`` only);
             like every option the chosen trust region does not take, they must keep their defaults
             (clip_low 0.2, clip_high 0.2, clip_ratio_c None, tau_pos 1.0, tau_neg 1.05) or construction fails.
-        aggregation: one of ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum``.
+        aggregation: one of ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum``,
+            ``seq-mean-token-sum-norm`` (Dr. GRPO: the token sum over ``N_seq * aggregation_length``).
         kl_coef: coefficient of the KL-to-reference penalty in the loss (0: off, no reference needed).
         kl_estimator: ``k1``, ``k2`` or ``k3``.
         kl_clamp: clamp of the per-token KL term in the loss to ``[-kl_clamp, kl_clamp]`` (``None``: off): one
             token's KL spike (a token the policy all but dropped) cannot dominate the update. How often it
             bites: ``policy/kl_clamp_frac``; the largest per-token KL: ``policy/kl_ref_max``.
+        aggregation_length: the constant length ``L`` of ``seq-mean-token-sum-norm``, >= 1 (the other
+            aggregations ignore it); ``None``: each batch's ``T``, which depends on its padding. Training
+            sets the completion budget (``ObjectiveOptions.aggregation_length``).
     """
 
     ratio_level: RatioLevel = "token"
@@ -59,6 +63,7 @@ class Objective:
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = "k3"
     kl_clamp: float | None = None
+    aggregation_length: int | None = None
 
     def __post_init__(self) -> None:
         choices = {
@@ -85,6 +90,9 @@ class Objective:
             raise ValueError(f"`model.objective.kl_coef` must be >= 0, got {self.kl_coef}")
         if self.kl_clamp is not None and not self.kl_clamp > 0:
             raise ValueError(f"`model.objective.kl_clamp` must be > 0 or null, got {self.kl_clamp}")
+        if self.aggregation_length is not None and not self.aggregation_length >= 1:
+            raise ValueError(f"`model.objective.aggregation_length` must be >= 1 or null, "
+                             f"got {self.aggregation_length}")
 
     def _refuse_unused_options(self) -> None:
         """An option of another trust region set away from its default would be ignored silently: refuse."""
@@ -128,4 +136,5 @@ class Objective:
             trust_region=self.trust_region, trust_region_args=self.trust_region_args,
             aggregation=self.aggregation, kl_coef=self.kl_coef, kl_estimator=self.kl_estimator,
             num_tokens=num_tokens, num_seqs=num_seqs, token_weights=token_weights, kl_clamp=self.kl_clamp,
+            aggregation_length=self.aggregation_length,
         )

@@ -34,6 +34,7 @@ def ppo_policy_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_eps: float = 0.2,
     aggregation: Aggregation = "token-mean", *, clip_eps_high: float | None = None,
     clip_ratio_c: float | None = None, num_tokens: Count = None, num_seqs: Count = None,
+    aggregation_length: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate: ``aggregate(-min(r A, clip(r, 1-eps, 1+eps_high) A))``,
     ``r = exp(logp - old_logp)``; dual clip (``clip_ratio_c = c > 1``) caps the loss at ``-c A`` for A < 0.
@@ -43,8 +44,7 @@ def ppo_policy_loss(
         clip_eps_high: upper range (None: clip_eps).
         aggregation: one of :data:`AGGREGATIONS`. clip_ratio_c: dual-clip constant ``c > 1`` or None (off).
         num_tokens, num_seqs: whole-minibatch normalisers (see :func:`aggregate`).
-        token_weights: ``[B, T]`` detached per-token weights of the surrogate (off-policy correction,
-            :func:`rollout_is_weights`), or None; the KL term is not weighted.
+        aggregation_length: the constant ``L`` of ``seq-mean-token-sum-norm`` (``None``: ``T``).
 
     Returns:
         ``(loss, metrics)`` with ``policy/{clip_frac, clip_frac_low, clip_frac_high, approx_kl, ratio_mean}``
@@ -52,13 +52,14 @@ def ppo_policy_loss(
     """
     clip = _ppo_clip(clip_eps, clip_eps_high, clip_ratio_c)
     return policy_loss(logp, old_logp, None, advantages, mask, trust_region="clip", trust_region_args=clip,
-                       aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs)
+                       aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs,
+                       aggregation_length=aggregation_length)
 
 
 def dapo_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float = 0.2,
     clip_high: float = 0.28, aggregation: Aggregation = "token-mean", *, clip_ratio_c: float | None = None,
-    num_tokens: Count = None, num_seqs: Count = None,
+    num_tokens: Count = None, num_seqs: Count = None, aggregation_length: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """DAPO: PPO clip with the decoupled ("clip-higher") range ``[1 - clip_low, 1 + clip_high]``.
 
@@ -66,14 +67,15 @@ def dapo_loss(
     """
     clip = {"clip_low": clip_low, "clip_high": clip_high, "clip_ratio_c": clip_ratio_c}
     return policy_loss(logp, old_logp, None, advantages, mask, trust_region="clip", trust_region_args=clip,
-                       aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs)
+                       aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs,
+                       aggregation_length=aggregation_length)
 
 
 def grpo_loss(
     logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, advantages: Tensor, mask: Tensor,
     clip_eps: float = 0.2, beta: float = 0.04, aggregation: Aggregation = "seq-mean-token-mean", *,
     clip_eps_high: float | None = None, clip_ratio_c: float | None = None, kl_estimator: KLEstimator = "k3",
-    num_tokens: Count = None, num_seqs: Count = None,
+    num_tokens: Count = None, num_seqs: Count = None, aggregation_length: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO: ``-aggregate(min(r A, clip(r) A) - beta * KL_t)``, ``KL_t = kl_penalty(logp, ref_logp)``.
 
@@ -93,7 +95,8 @@ def grpo_loss(
     clip = _ppo_clip(clip_eps, clip_eps_high, clip_ratio_c)
     return policy_loss(logp, old_logp, ref_logp, advantages, mask, trust_region="clip",
                        trust_region_args=clip, aggregation=aggregation, kl_coef=beta,
-                       kl_estimator=kl_estimator, num_tokens=num_tokens, num_seqs=num_seqs)
+                       kl_estimator=kl_estimator, num_tokens=num_tokens, num_seqs=num_seqs,
+                       aggregation_length=aggregation_length)
 
 
 def gspo_loss(
@@ -123,7 +126,7 @@ def gspo_loss(
 def sapo_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, tau_pos: float = 1.0,
     tau_neg: float = 1.05, aggregation: Aggregation = "seq-mean-token-mean", *, num_tokens: Count = None,
-    num_seqs: Count = None,
+    num_seqs: Count = None, aggregation_length: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """SAPO soft gate: ``loss = -aggregate(f(r) A)``, ``f(r) = 4 / tau * sigmoid(tau (r - 1))``,
     ``tau = tau_pos if A > 0 else tau_neg`` (see :func:`soft_gate_surrogate`).
@@ -134,4 +137,4 @@ def sapo_loss(
     gate = {"tau_pos": tau_pos, "tau_neg": tau_neg}
     return policy_loss(logp, old_logp, None, advantages, mask, trust_region="soft_gate",
                        trust_region_args=gate, aggregation=aggregation, num_tokens=num_tokens,
-                       num_seqs=num_seqs)
+                       num_seqs=num_seqs, aggregation_length=aggregation_length)

@@ -2,7 +2,8 @@
 log-probs of the sampled tokens (``rollout_logp``) differ from the trainer's behaviour log-probs
 (``old_logp``), and the samples are off-policy for the trainer. Truncated (TIS) or masked (MIS) importance
 weights ``w = f(exp(old_logp - rollout_logp))``, detached, multiply the policy loss per token (verl's
-rollout correction, TRL's vLLM importance sampling); the gap is logged every step (``rollout/mismatch_*``).
+rollout correction, TRL's vLLM importance sampling, OpenRLHF's TIS / ICEPOP); the gap is logged every step
+(``rollout/mismatch_*``, ``rollout/is_*``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ from typing import Literal
 
 from torch import Tensor
 
-from lightning_rl.maths.rollout_weights import rollout_is_weights, rollout_mismatch_stats
+from lightning_rl.maths.checks import require as require_in
+from lightning_rl.maths.rollout_weights import (
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_IS_MODES,
+    rollout_is_weights,
+    rollout_mismatch_stats,
+)
 from lightning_rl.step.rollout import Rollout
 
 
@@ -24,19 +31,27 @@ class RolloutCorrection:
     (bypass) the engine is the behaviour policy and nothing needs correcting.
 
     Args:
-        level: ``token`` (per-token ratios) or ``sequence`` (the row's summed log-ratio on each token).
-        mode: ``truncate`` (``min(w, cap)``, TIS), ``mask`` (0 where ``w > cap``, MIS), or ``off``
-            (weights 1; the mismatch is still measured and logged).
-        cap: the threshold, >= 1 (verl's TIS default 2.0).
+        level: ``token`` (per-token ratios), ``sequence`` (the row's summed log-ratio, the product ratio, on
+            each token) or ``geometric`` (the row's mean log-ratio: the geometric mean of its token ratios).
+        mode: ``truncate`` (``clamp(w, low, cap)``, TIS), ``mask`` (0 where ``w`` is outside ``[low, cap]``,
+            MIS / ICEPOP; at sequence or geometric level the whole row), or ``off`` (weights 1; the mismatch
+            is still measured and logged).
+        cap: the upper bound, >= 1 (verl's TIS default 2.0).
+        low: the lower bound, in ``[0, 1]`` (0: none). E.g. ``level: geometric, mode: mask, low: 0.99,
+            cap: 1.01`` trains only on sequences whose geometric ratio is within 1%; ``level: token, mode:
+            mask, low: 0.5, cap: 2`` is OpenRLHF's ICEPOP.
     """
 
-    def __init__(self, level: Literal["token", "sequence"] = "token",
-                 mode: Literal["truncate", "mask", "off"] = "truncate", cap: float = 2.0) -> None:
-        if level not in ("token", "sequence") or mode not in ("truncate", "mask", "off") or not cap >= 1:
-            raise ValueError("`model.logprobs.correction`: `level` must be token or sequence, `mode` "
-                             "truncate, "
-                             f"mask or off, `cap` >= 1; got {level!r}, {mode!r}, {cap}")
-        self.level, self.mode, self.cap = level, mode, cap
+    def __init__(self, level: Literal["token", "sequence", "geometric"] = "token",
+                 mode: Literal["truncate", "mask", "off"] = "truncate", cap: float = 2.0,
+                 low: float = 0.0) -> None:
+        modes = (*ROLLOUT_IS_MODES, "off")
+        require_in("model.logprobs.correction",
+                   level=(level in ROLLOUT_IS_LEVELS, level, f"one of {', '.join(ROLLOUT_IS_LEVELS)}"),
+                   mode=(mode in modes, mode, f"one of {', '.join(modes)}"),
+                   cap=(cap >= 1, cap, ">= 1 (an on-policy weight of 1 must survive)"),
+                   low=(0 <= low <= 1, low, "in [0, 1] (an on-policy weight of 1 must survive)"))
+        self.level, self.mode, self.cap, self.low = level, mode, cap, low
 
     def __call__(self, rollout: Rollout) -> tuple[Rollout, dict[str, float]]:
         """The rollout with ``is_weights`` (when correcting; the input is left as it was) and the mismatch
@@ -55,6 +70,7 @@ class RolloutCorrection:
         the update, or in the loss when the current log-probs are the behaviour's (one update per rollout:
         no separate pass)."""
         mode = "truncate" if self.mode == "off" else self.mode
-        weights = rollout_is_weights(behaviour, engine, mask, self.level, mode, self.cap)
-        stats = rollout_mismatch_stats(behaviour, engine, mask, weights, self.cap, level=self.level)
+        weights = rollout_is_weights(behaviour, engine, mask, self.level, mode, self.cap, self.low)
+        stats = rollout_mismatch_stats(behaviour, engine, mask, weights, self.cap, level=self.level,
+                                       mode=mode, low=self.low)
         return (None if self.mode == "off" else weights), stats

@@ -161,7 +161,8 @@ def policy_loss(policy: Any, micro: Rollout, objective: Any, entropy_coef: float
     metrics.update(mismatch)
     if entropy_coef:
         loss = loss - entropy_coef * aggregate(entropy, micro.loss_mask, objective.aggregation,
-                                               num_tokens=num_tokens, num_seqs=num_seqs)
+                                               num_tokens=num_tokens, num_seqs=num_seqs,
+                                               norm_length=objective.aggregation_length)
     metrics["policy/entropy"] = masked_mean(entropy.detach(), micro.loss_mask.bool())
     metrics["policy/loss"] = loss
     return loss, metrics

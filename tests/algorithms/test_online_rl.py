@@ -30,7 +30,7 @@ from lightning_rl.step.reward_scorer import RewardError
 from lightning_rl.step.rollout import Rollout
 
 HERE = __name__  # reward functions below are named by import path, as in YAML
-AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 # --------------------------------------------------------------------------------------------- helpers

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from lightning_rl.algorithms import DAPO, GRPO, GSPO, PPO, RLOO, SAPO, OnlineRL
+from lightning_rl.algorithms.assembly import objective_stages
 from lightning_rl.algorithms.options import FilterOptions, ObjectiveOptions, SamplingOptions, UpdateOptions
 from lightning_rl.algorithms.presets import preset_defaults, with_changes
 from lightning_rl.maths.objective import Objective
@@ -52,6 +53,11 @@ def test_a_mapping_changes_fields_of_the_presets_group_and_keeps_the_rest():
     (lambda: UpdateOptions(max_grad_norm=0.0), "`model.update.max_grad_norm` must be > 0 or null, got 0.0"),
     (lambda: FilterOptions(max_gen_batches=0), "`model.filters.max_gen_batches` must be >= 1, got 0"),
     (lambda: ObjectiveOptions(kl_target=0.1), "`model.objective.kl_target`"),
+    (lambda: ObjectiveOptions(aggregation="seq-mean-token-sum-norm", aggregation_length=0),
+     "`model.objective.aggregation_length` must be >= 1 or null, got 0"),
+    (lambda: ObjectiveOptions(aggregation_length=64),
+     "`model.objective.aggregation_length` has no effect under "
+     "`model.objective.aggregation: seq-mean-token-mean`"),
     (lambda: CriticOptions(vf_coef=0.0), "`model.critic.vf_coef` must be > 0, got 0.0"),
 ])
 def test_a_group_refuses_a_bad_field_naming_its_key_and_range(build, message):
@@ -66,3 +72,20 @@ def test_the_objective_group_holds_every_axis_of_the_objective_with_its_default(
     group = {f.name: f.default for f in dataclasses.fields(ObjectiveOptions)}
     axes = {f.name: f.default for f in dataclasses.fields(Objective)}
     assert {name: group.get(name, "missing") for name in axes} == axes
+
+
+def test_the_aggregation_length_defaults_to_the_budget_the_module_passes():
+    """``aggregation_length: null`` is the completion budget that ``OnlineRL`` hands ``objective_stages``; a
+    length set in the group wins; without a budget it stays ``None`` (the pure function's ``T``)."""
+    norm = ObjectiveOptions(aggregation="seq-mean-token-sum-norm")
+    assert objective_stages(norm, default_length=64)[0].aggregation_length == 64
+    assert objective_stages(dataclasses.replace(norm, aggregation_length=200),
+                            default_length=64)[0].aggregation_length == 200
+    assert objective_stages(norm)[0].aggregation_length is None
+
+
+def test_the_online_module_normalises_by_its_completion_budget():
+    from helpers import make
+
+    module = make(GRPO, objective={"aggregation": "seq-mean-token-sum-norm"})
+    assert module.objective.aggregation_length == 8  # helpers.make: sampling.max_new_tokens 8

@@ -54,8 +54,8 @@ CASES = {
                            "expected an integer"]),
     "literal_validate": (["validate", "--config", GRPO, "--config", "literal.yaml"],
                          ["`model.init_args.objective.aggregation` = 'token_mean'", "in literal.yaml, line 4",
-                          "'token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum'",
-                          "did you mean 'token-mean'?"]),
+                          "'token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum', "
+                          "'seq-mean-token-sum-norm'", "did you mean 'token-mean'?"]),
     "class_path_yaml": (["fit", "--config", GRPO, "--config", "classpath.yaml"],
                         ["`model.class_path` = 'lightning_rl.algorithms.GRP0'", "in classpath.yaml, line 2",
                          "did you mean `lightning_rl.algorithms.GRPO`?"]),
@@ -215,8 +215,8 @@ LITERAL = message(
     "  Errors:",
     "    - Problem with given class_path 'lightning_rl.algorithms.GRPO':",
     '        Parser key "objective.aggregation":',
-    "          Expected a typing.Literal['token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum']."
-    " Got value: token_mean",
+    "          Expected a typing.Literal['token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum',"
+    " 'seq-mean-token-sum-norm']. Got value: token_mean",
     "    - Expected a <class 'NoneType'>",
     "  Given value type: <class 'dict'>",
     "  Given value: {'init_args': {'objective': {'aggregation': 'token_mean'}}}",
@@ -309,7 +309,8 @@ def test_parse_message(text, kind, key, value, cls):
 
 
 def test_parse_message_types_and_bases():
-    assert parse_message(LITERAL).choices == ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+    assert parse_message(LITERAL).choices == ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                              "seq-mean-token-sum-norm"]
     union = parse_message(UNION)
     assert union.expected == ["an integer", "null"] and union.choices == ["auto"]
     assert parse_message(NOT_A_MODULE).base == "lightning_rl.algorithms.base.PolicyModule"

@@ -129,6 +129,11 @@ def rollout_batch():
     ("sequence", "truncate", 1.6, [[1.5, 1.5, 1.5], [1.6, 1.6, 0.0]]),  # min(1.8, 1.6) on row 1
     ("sequence", "mask", 1.6, [[1.5, 1.5, 1.5], [0.0, 0.0, 0.0]]),  # 1.8 > 1.6: the whole row dropped
     ("sequence", "mask", 2.0, [[1.5, 1.5, 1.5], [1.8, 1.8, 0.0]]),
+    # geometric: row 0 exp((ln 3 - ln 2 + 0) / 3) = 1.5^(1/3) = 1.1447142, row 1 exp((ln 1.5 + ln 1.2) / 2)
+    # = sqrt(1.8) = 1.3416408
+    ("geometric", "truncate", 2.0, [[1.1447142] * 3, [1.3416408, 1.3416408, 0.0]]),
+    ("geometric", "truncate", 1.3, [[1.1447142] * 3, [1.3, 1.3, 0.0]]),
+    ("geometric", "mask", 1.3, [[1.1447142] * 3, [0.0, 0.0, 0.0]]),  # 1.34 > 1.3: row 1 dropped
 ])
 def test_rollout_is_weights_hand_values(level, mode, cap, expected):
     old, rollout, mask = rollout_batch()
@@ -148,10 +153,13 @@ def test_rollout_is_weights_defaults_and_dtype():
 def test_rollout_is_weights_cannot_overflow():
     mask = torch.ones(1, 2, dtype=torch.bool)
     old, rollout = torch.tensor([[0.0, 0.0]]), torch.tensor([[-1e4, -1e4]])  # d = 1e4: exp overflows float32
-    for level in ("token", "sequence"):
+    for level in L.ROLLOUT_IS_LEVELS:
         truncated = L.rollout_is_weights(old, rollout, mask, level=level, cap=3.0)
         masked = L.rollout_is_weights(old, rollout, mask, level=level, mode="mask", cap=3.0)
         assert truncated.tolist() == [[3.0, 3.0]] and masked.tolist() == [[0.0, 0.0]]
+        # and the other way, d = -1e4: exp underflows to 0, below any lower bound
+        assert L.rollout_is_weights(rollout, old, mask, level, "truncate", low=0.5).tolist() == [[0.5, 0.5]]
+        assert L.rollout_is_weights(rollout, old, mask, level, "mask", low=0.5).tolist() == [[0.0, 0.0]]
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
@@ -159,6 +167,10 @@ def test_rollout_is_weights_cannot_overflow():
     (dict(mode="clip"), "mode"),
     (dict(cap=0.5), "cap"),
     (dict(cap=math.nan), "cap"),
+    (dict(low=-0.1), "`low` must be in"),
+    (dict(low=1.5), "`low` must be in"),  # above 1 an on-policy weight of 1 would be dropped
+    (dict(high=0.9), "`high` must be >= 1"),
+    (dict(cap=3.0, high=2.5), "alias of `cap`"),
 ])
 def test_rollout_is_weights_errors(kwargs, match):
     old, rollout, mask = rollout_batch()
@@ -189,14 +201,16 @@ def test_rollout_mismatch_stats_token_level():
 def test_rollout_mismatch_stats_sequence_level_and_agreement():
     old, rollout, mask = rollout_batch()
     weights = L.rollout_is_weights(old, rollout, mask, level="sequence", mode="mask", cap=1.6)
-    stats = L.rollout_mismatch_stats(old, rollout, mask, weights, 1.6, level="sequence")
+    stats = L.rollout_mismatch_stats(old, rollout, mask, weights, 1.6, level="sequence", mode="mask")
     close(stats["rollout/is_weight_mean"], 0.9)  # (1.5 * 3 + 0 * 2) / 5
     close(stats["rollout/is_clipped_frac"], 0.4)  # row 1's 1.8 > 1.6 on its 2 tokens
+    close(stats["rollout/is_masked_frac"], 0.4)  # and masked: 2 of 5 tokens
+    close(stats["rollout/seq_masked_frac"], 0.5)  # 1 of the 2 rows
     # engine and trainer agree: every statistic is exact
     same = L.rollout_mismatch_stats(rollout, rollout, mask, L.rollout_is_weights(rollout, rollout, mask), 2.0)
     assert {k: v.item() for k, v in same.items()} == {
         "rollout/logp_diff_mean": 0.0, "rollout/mismatch_k3": 0.0, "rollout/is_weight_mean": 1.0,
-        "rollout/is_clipped_frac": 0.0,
+        "rollout/is_clipped_frac": 0.0, "rollout/is_masked_frac": 0.0, "rollout/seq_masked_frac": 0.0,
     }
     # no valid token: zeros, not NaN
     empty = torch.zeros_like(mask)
@@ -213,3 +227,152 @@ def test_rollout_mismatch_stats_errors():
         L.rollout_mismatch_stats(old, rollout, mask, weights, 2.0, level="group")
     with pytest.raises(ValueError, match="weights"):
         L.rollout_mismatch_stats(old, rollout, mask, weights[:1], 2.0)
+    with pytest.raises(ValueError, match="mode"):
+        L.rollout_mismatch_stats(old, rollout, mask, weights, 2.0, mode="clip")
+    with pytest.raises(ValueError, match="low"):
+        L.rollout_mismatch_stats(old, rollout, mask, weights, 2.0, low=2.0)
+
+
+# ------------------------------------------------ two-sided bounds, the geometric level, and the peers
+@pytest.mark.parametrize(("level", "mode", "bounds", "expected"), [
+    # raw token weights [3, 0.5, 1], [1.5, 1.2]; bounds [0.6, 2]
+    ("token", "truncate", dict(low=0.6), [[2.0, 0.6, 1.0], [1.5, 1.2, 0.0]]),  # clamp(w, 0.6, 2)
+    ("token", "mask", dict(low=0.6), [[0.0, 0.0, 1.0], [1.5, 1.2, 0.0]]),  # 3 > 2 and 0.5 < 0.6 dropped
+    ("token", "mask", dict(low=0.45, high=3.5), [[3.0, 0.5, 1.0], [1.5, 1.2, 0.0]]),  # wide: all kept
+    # sequence weights 1.5, 1.8 on [1.6, 2]: row 0 below, dropped / raised to 1.6
+    ("sequence", "mask", dict(low=1.0, high=1.7), [[1.5] * 3, [0.0, 0.0, 0.0]]),
+    ("sequence", "truncate", dict(low=1.0, high=1.7), [[1.5] * 3, [1.7, 1.7, 0.0]]),
+    # geometric 1.1447142, 1.3416408 kept only within [0.99, 1.2]: row 1 dropped
+    ("geometric", "mask", dict(low=0.99, high=1.2), [[1.1447142] * 3, [0.0, 0.0, 0.0]]),
+])
+def test_rollout_is_weights_two_sided_hand_values(level, mode, bounds, expected):
+    old, rollout, mask = rollout_batch()
+    close(L.rollout_is_weights(old, rollout, mask, level, mode, **bounds), expected)
+
+
+@pytest.mark.parametrize(("level", "mode", "low", "masked", "rows"), [
+    ("token", "mask", 0.6, 0.4, 0.0),  # tokens 3 and 0.5 of row 0: 2 of 5; no row loses every token
+    ("geometric", "mask", 0.0, 0.4, 0.5),  # cap 1.3: row 1 (2 tokens) dropped, 1 row of 2
+    ("token", "truncate", 0.6, 0.0, 0.0),  # truncation masks nothing
+])
+def test_rollout_mismatch_stats_masked_fractions(level, mode, low, masked, rows):
+    old, rollout, mask = rollout_batch()
+    cap = 1.3 if level == "geometric" else 2.0
+    weights = L.rollout_is_weights(old, rollout, mask, level, mode, cap, low)
+    stats = L.rollout_mismatch_stats(old, rollout, mask, weights, cap, level=level, mode=mode, low=low)
+    close(stats["rollout/is_masked_frac"], masked)
+    close(stats["rollout/seq_masked_frac"], rows)
+    close(stats["rollout/is_clipped_frac"], 0.4)  # outside the bounds, masked or truncated
+    # the masked fraction is the share of valid tokens whose applied weight is 0
+    close(((weights == 0) & mask).sum() / mask.sum(), masked)
+
+
+def test_rollout_mismatch_stats_key_set_is_fixed():
+    old, rollout, mask = rollout_batch()
+    keys = set()
+    for level in L.ROLLOUT_IS_LEVELS:
+        for mode in L.ROLLOUT_IS_MODES:
+            weights = L.rollout_is_weights(old, rollout, mask, level, mode)
+            keys.add(tuple(sorted(L.rollout_mismatch_stats(old, rollout, mask, weights, 2.0, level=level,
+                                                           mode=mode))))
+    assert len(keys) == 1
+
+
+def _mismatched(seed=0, scale=0.4):
+    """B=6, T=7, float64: engine log-probs off the trainer's by N(0, scale), rows of 0-7 valid tokens."""
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(6, 7, generator=g, dtype=F64) * 2
+    rollout = old + scale * torch.randn(6, 7, generator=g, dtype=F64)
+    mask = lengths_mask([7, 5, 3, 1, 6, 4], 7)
+    return old, rollout, mask
+
+
+def _trl(old, sampling, mask, mode, clip_min, clip_max):
+    """TRL 1.x grpo_trainer.py, vllm_importance_sampling_mode, re-derived (its loss masks padding after)."""
+    diff = (old - sampling) * mask
+    ratio = torch.exp(diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    lo = clip_min if clip_min is not None else -math.inf
+    hi = clip_max if clip_max is not None else math.inf
+    return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize(("clip_min", "clip_max"), [(None, 3.0), (0.5, 2.0), (0.9, 1.1)])
+def test_rollout_is_weights_equal_trls_vllm_importance_sampling(mode, clip_min, clip_max):
+    old, rollout, mask = _mismatched()
+    level, ours_mode = mode.split("_")
+    trl = _trl(old, rollout, mask, mode, clip_min, clip_max).expand_as(old) * mask
+    ours = L.rollout_is_weights(old, rollout, mask, level, ours_mode, low=clip_min or 0.0, high=clip_max)
+    torch.testing.assert_close(ours, trl, atol=1e-12, rtol=1e-12)
+    if clip_min == 0.9:  # the bounds bite on both sides
+        w = L.rollout_is_weights(old, rollout, mask, level, "truncate", cap=1e6)[mask]
+        assert (w < clip_min).any() and (w > clip_max).any()
+
+
+@pytest.mark.parametrize("kind", ["icepop", "tis"])
+def test_rollout_is_weights_equal_openrlhfs_icepop_and_tis(kind):
+    old, rollout, mask = _mismatched(1)
+    low, high = 0.5, 2.0  # OpenRLHF's vllm_is_truncated_threshold, e.g. [0.5, 2]
+    vllm_is = torch.exp(old - rollout)  # openrlhf/models/loss.py PolicyLoss, re-derived
+    if kind == "icepop":
+        peer = vllm_is * ((vllm_is >= low) & (vllm_is <= high))
+    else:
+        peer = vllm_is.clamp(min=low, max=high)
+    ours = L.rollout_is_weights(old, rollout, mask, "token", "mask" if kind == "icepop" else "truncate",
+                                low=low, high=high)
+    torch.testing.assert_close(ours, peer * mask, atol=1e-12, rtol=1e-12)
+    assert ((vllm_is < low) & mask).any() and ((vllm_is > high) & mask).any()
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_rollout_is_weights_equal_verls_rollout_importance_weights(level, mode):
+    """verl 0.6 ``compute_rollout_importance_weights`` (mismatch_helper.py), re-derived: its weights times its
+    modified response mask (mask mode drops tokens from the response mask) are ours."""
+    old, rollout, mask = _mismatched(2, scale=0.1)
+    upper, lower = 1.1, 0.95  # rollout_is_threshold, rollout_is_threshold_lower
+    m = mask.to(F64)
+    log_ratio = old - rollout
+    if level == "token":
+        lr = log_ratio
+    elif level == "sequence":
+        lr = (log_ratio * m).sum(-1, keepdim=True)
+    else:  # verl_F.masked_mean: sum / (count + 1e-8)
+        lr = (log_ratio * m).sum(-1, keepdim=True) / (m.sum(-1, keepdim=True) + 1e-8)
+    w = torch.exp(lr.clamp(-20, 20)).expand_as(old)
+    if mode == "truncate":
+        w, keep = w.clamp(max=upper), m
+    else:
+        keep = m * ((w >= lower) & (w <= upper))
+    ours = L.rollout_is_weights(old, rollout, mask, level, mode, low=lower if mode == "mask" else 0.0,
+                                high=upper)
+    torch.testing.assert_close(ours, w * m * keep, atol=1e-7, rtol=1e-7)  # 1e-8 in verl's masked mean
+    if mode == "mask":
+        assert 0 < (keep.sum() / m.sum()) < 1  # some, not all, dropped
+
+
+def test_geometric_mask_is_verls_seq_mean_k1_rejection_with_inverted_bounds():
+    """verl's rollout_corr_helper.py ``rollout_rs="seq_mean_k1"`` keeps a row when
+    ``log(lo) <= mean_t(k1) <= log(hi)``, ``k1 = -(old_logp - rollout_logp)``: the geometric weight ``g``
+    then lies in ``[1 / hi, 1 / lo]``, so it is ours with ``low = 1 / hi``, ``high = 1 / lo``."""
+    old, rollout, mask = _mismatched(3, scale=0.05)
+    lo, hi = 0.99, 1.01  # rollout_rs_threshold "0.99_1.01"
+    m = mask.to(F64)
+    k1 = -(old - rollout).clamp(-20, 20)
+    seq = (k1 * m).sum(-1) / (m.sum(-1) + 1e-8)
+    keep = (seq >= math.log(lo)) & (seq <= math.log(hi))
+    ours = L.rollout_is_weights(old, rollout, mask, "geometric", "mask", low=1 / hi, high=1 / lo)
+    assert ((ours > 0).any(-1) == (keep & mask.any(-1))).all()
+    assert 0 < int(keep.sum()) < 6
+
+
+def test_sequence_mask_with_bounds_keeps_only_sequences_whose_product_ratio_is_inside():
+    # engine and trainer swapped: row ratios exp(sum d) = 1 / 1.5 = 0.6666667 and 1 / 1.8 = 0.5555556;
+    # low 0.6 keeps row 0 only; the original order (1.5, 1.8) under high 1.7 keeps row 0 only
+    old, rollout, mask = rollout_batch()
+    swapped = L.rollout_is_weights(rollout, old, mask, "sequence", "mask", low=0.6)
+    close(swapped, [[0.6666667] * 3, [0.0] * 3])
+    close(L.rollout_is_weights(old, rollout, mask, "sequence", "mask", high=1.7), [[1.5] * 3, [0.0] * 3])
+

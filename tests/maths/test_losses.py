@@ -91,6 +91,7 @@ M = [[1, 1, 0], [1, 0, 0], [0, 0, 0]]  # third row has no valid token
         ("token-mean", 7 / 3),  # (1 + 2 + 4) / 3 tokens
         ("seq-mean-token-mean", 2.75),  # ((1+2)/2 + 4/1) / 2 non-empty rows = (1.5 + 4) / 2
         ("seq-mean-token-sum", 3.5),  # ((1+2) + 4) / 2 non-empty rows
+        ("seq-mean-token-sum-norm", 7 / 6),  # ((1+2) + 4) / (2 non-empty rows * T = 3)
     ],
 )
 def test_aggregate_modes(mode, expected):
@@ -106,6 +107,9 @@ def test_aggregate_modes(mode, expected):
         ("seq-mean-token-sum", {"num_seqs": t(7.0)}, 1.0),  # 7 / 7
         ("token-mean", {"num_seqs": 99}, 7 / 3),  # num_seqs ignored by token-mean
         ("seq-mean-token-sum", {"num_tokens": 99}, 3.5),  # num_tokens ignored by seq modes
+        ("seq-mean-token-sum-norm", {"norm_length": 4}, 0.875),  # 7 / (2 rows * 4)
+        ("seq-mean-token-sum-norm", {"num_seqs": 7, "norm_length": 2}, 0.5),  # 7 / (7 * 2)
+        ("seq-mean-token-mean", {"norm_length": 4}, 2.75),  # norm_length ignored by the other modes
     ],
 )
 def test_aggregate_uses_given_normalizers(mode, kw, expected):
@@ -129,6 +133,69 @@ def test_aggregate_ignores_nan_padding_and_all_masked_is_zero():
 def test_normalizer_counts():
     n_tok, n_seq = L.normalizer_counts(torch.tensor(M))
     assert (n_tok.item(), n_seq.item()) == (3, 2)
+
+
+# ------------------------------------------------------------------- seq-mean-token-sum-norm (Dr. GRPO)
+# two rows of unequal length, every row with a token; budget L = 4:
+#   row sums (1 + 2) = 3 and (4 + 5 + 6) = 15 -> (3 + 15) / (2 rows * 4) = 18 / 8 = 2.25
+DR_X = [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
+DR_M = [[1, 1, 0], [1, 1, 1]]
+
+
+def test_seq_mean_token_sum_norm_equals_trls_dr_grpo():
+    x, mask = t(DR_X), t(DR_M)
+    # TRL 1.x grpo_trainer.py, loss_type="dr_grpo":
+    #   (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)
+    trl = (x * mask).sum() / (x.size(0) * 4)
+    close(trl, 2.25)
+    close(L.aggregate(x, mask, "seq-mean-token-sum-norm", norm_length=4), trl)
+    # the same through a policy loss: r = 1, A = (1, -2) -> per-token loss -A: (-1 - 1 + 2 + 2 + 2) / 8 = 0.5
+    logp = torch.zeros(2, 3, dtype=F64)
+    per_token_trl = -t([[1.0], [-2.0]]).expand(2, 3)
+    close(L.ppo_policy_loss(logp, logp, t([1.0, -2.0]), mask, 0.2, "seq-mean-token-sum-norm",
+                            aggregation_length=4)[0], (per_token_trl * mask).sum() / (2 * 4))
+    close((per_token_trl * mask).sum() / (2 * 4), 0.5)
+
+
+def test_seq_mean_token_sum_norm_is_verls_divided_by_the_micro_batch_rows():
+    """verl's ``agg_loss(..., "seq-mean-token-sum-norm", loss_scale_factor=L)`` is ``sum(seq_losses) / L`` per
+    micro-batch, no division by the rows; dp_actor then scales each micro-batch by ``1 / grad_accumulation``.
+    """
+
+    def verl(x, mask, length):  # core_algos.agg_loss, re-derived
+        return torch.sum(torch.sum(x * mask, dim=-1)) / length
+
+    x = t(DR_X + [[7.0, 8.0, 9.0], [1.0, 1.0, 1.0]])
+    mask = t(DR_M + [[1, 0, 0], [1, 1, 0]])  # row sums 3, 15, 7, 2: total 27
+    ours = L.aggregate(x, mask, "seq-mean-token-sum-norm", norm_length=4)
+    close(ours, 27 / 16)  # 27 / (4 rows * 4)
+    close(ours * 4, verl(x, mask, 4))  # one micro-batch of B = 4 rows: verl = ours * B = 27 / 4
+    # 2 micro-batches of 2 rows, accumulated with 1/2 each: verl = (18 / 4 + 9 / 4) / 2 = 27 / 8 = ours * 2
+    n_seq = L.normalizer_counts(mask)[1]
+    verl_step = sum(verl(x[s], mask[s], 4) / 2 for s in (slice(0, 2), slice(2, 4)))
+    ours_step = sum(L.aggregate(x[s], mask[s], "seq-mean-token-sum-norm", num_seqs=n_seq, norm_length=4)
+                    for s in (slice(0, 2), slice(2, 4)))
+    close(ours_step, ours)  # micro-batching leaves ours unchanged
+    close(verl_step, ours * 2)  # verl's scales with its micro-batch size
+
+
+def test_seq_mean_token_sum_norm_micro_batches_of_their_own_padding_add_up():
+    # micro-batches trimmed to their own longest row (T = 3 and T = 1): with a fixed L the parts add up to the
+    # whole; with L = T each part has its own divisor and they do not
+    x, mask = t(DR_X + [[7.0, 8.0, 9.0]]), t(DR_M + [[1, 0, 0]])  # row sums 3, 15, 7
+    n_seq = L.normalizer_counts(mask)[1]
+    whole = L.aggregate(x, mask, "seq-mean-token-sum-norm", norm_length=8)
+    close(whole, 25 / 24)  # 25 / (3 rows * 8)
+
+    def parts(length):
+        return (L.aggregate(x[:2], mask[:2], "seq-mean-token-sum-norm", num_seqs=n_seq, norm_length=length)
+                + L.aggregate(x[2:, :1], mask[2:, :1], "seq-mean-token-sum-norm", num_seqs=n_seq,
+                              norm_length=length))
+
+    close(parts(8), whole)
+    close(parts(None), 18 / 9 + 7 / 3)  # 18 / (3 * 3) + 7 / (3 * 1): not 25 / 9
+    with pytest.raises(ValueError, match="`norm_length` must be >= 1"):
+        L.aggregate(x, mask, "seq-mean-token-sum-norm", norm_length=0)
 
 
 # ----------------------------------------------------------------------------------------------- PPO
@@ -199,6 +266,7 @@ AGG_CASES = [
     ("token-mean", -0.25),  # (-3 + 2) / 4 tokens
     ("seq-mean-token-mean", 0.5),  # (-1 + 2) / 2 rows
     ("seq-mean-token-sum", -0.5),  # (-3 + 2) / 2 rows
+    ("seq-mean-token-sum-norm", -1 / 6),  # (-3 + 2) / (2 rows * T = 3)
 ]
 
 
@@ -232,9 +300,9 @@ def test_empty_row_with_nan_padding_is_left_out():
     logp = t([[0.1, nan], [nan, nan]], grad=True)
     old = t([[0.0, 5.0], [nan, 1.0]])
     mask = torch.tensor([[1, 0], [0, 0]])
-    for mode in L.AGGREGATIONS:
+    for mode in L.AGGREGATIONS:  # aggregation_length 1: seq-mean-token-sum-norm's L (the others ignore it)
         logp.grad = None
-        loss, m = L.ppo_policy_loss(logp, old, t([1.0, 3.0]), mask, 0.2, mode)
+        loss, m = L.ppo_policy_loss(logp, old, t([1.0, 3.0]), mask, 0.2, mode, aggregation_length=1)
         loss.backward()
         close(loss, -1.1051709)  # only token (0, 0): -1 * e^0.1
         close(logp.grad, [[-1.1051709, 0.0], [0.0, 0.0]])

@@ -14,17 +14,18 @@ from lightning_rl import losses as L
 from lightning_rl.maths.objective import Objective
 
 F64 = torch.float64
-AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 # ----------------------------------------------------------------------------------- naive reference
 def naive_aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """Row by row, straight from DESIGN.md: rows with no valid token are left out of sequence means."""
+    """Row by row, straight from DESIGN.md: rows with no valid token are left out of sequence means;
+    ``seq-mean-token-sum-norm`` divides the sequence mean of token sums by ``T`` (its default length)."""
     rows = [x[i][mask[i]] for i in range(x.shape[0])]
     if mode == "token-mean":
         return torch.cat(rows).sum() / max(sum(len(r) for r in rows), 1)
     per_row = [r.mean() if mode == "seq-mean-token-mean" else r.sum() for r in rows if len(r)]
-    return torch.stack(per_row).mean()
+    return torch.stack(per_row).mean() / (x.shape[1] if mode == "seq-mean-token-sum-norm" else 1)
 
 
 def naive_clip_objective(logp, old, adv, mask, low, high, c=None):
@@ -415,6 +416,32 @@ def test_micro_batch_normalizers_make_objective_split_invariant(trust_region):
         torch.testing.assert_close(parts_grad, whole_grad)
 
 
+def test_the_objectives_aggregation_length_is_dr_grpos_constant():
+    """``aggregation_length`` L reaches the loss: seq-mean-token-sum-norm is seq-mean-token-sum / L (value and
+    gradient, the entropy-free loss here), and micro-batches of their own padding add up with a fixed L."""
+    logp, old, ref, adv, mask = batch()
+    norm = Objective(kl_coef=0.1, aggregation="seq-mean-token-sum-norm", aggregation_length=16)
+    summed = Objective(kl_coef=0.1, aggregation="seq-mean-token-sum")
+    loss, grad = value_and_grad(lambda x: norm(x, old, ref, adv, mask)[0], logp)
+    loss_sum, grad_sum = value_and_grad(lambda x: summed(x, old, ref, adv, mask)[0], logp)
+    torch.testing.assert_close(loss, loss_sum / 16)
+    torch.testing.assert_close(grad, grad_sum / 16)
+    n_tok, n_seq = L.normalizer_counts(mask)
+
+    def trimmed(x):  # each micro-batch cut to its own longest row, as a padding-free micro-batch would be
+        total = 0.0
+        for i in range(0, 6, 2):
+            t = int(mask[i:i + 2].any(0).nonzero().max()) + 1 if mask[i:i + 2].any() else 1
+            s = (slice(i, i + 2), slice(0, t))
+            total = total + norm(x[s], old[s], ref[s], adv[i:i + 2], mask[s], num_tokens=n_tok,
+                                 num_seqs=n_seq)[0]
+        return total
+
+    parts, parts_grad = value_and_grad(trimmed, logp)
+    torch.testing.assert_close(parts, loss)
+    torch.testing.assert_close(parts_grad, grad)
+
+
 # ------------------------------------------------------------------------------------------ validation
 @pytest.mark.parametrize(("kwargs", "key"), [
     (dict(trust_region="soft_gate", clip_ratio_c=3.0), "clip_ratio_c"),
@@ -439,6 +466,7 @@ def test_micro_batch_normalizers_make_objective_split_invariant(trust_region):
     (dict(trust_region="clip", tau_pos=2.0), "tau_pos"),
     (dict(trust_region="clip", tau_neg=1.2), "tau_neg"),
     (dict(trust_region="cispo", clip_high=0.0), "clip_high"),
+    (dict(aggregation="seq-mean-token-sum-norm", aggregation_length=0), "aggregation_length"),
 ])
 def test_invalid_combinations_name_the_key(kwargs, key):
     with pytest.raises(ValueError, match=f"model.objective.{key}"):

@@ -28,7 +28,7 @@ def single_process(tmp_path_factory) -> dict:
 @pytest.mark.ranks("zero2/update-strided", "zero3/update-strided", "zero3/update-rank0")
 @pytest.mark.parametrize(("stage", "split"), [(2, "strided"), (3, "strided"), (3, "rank0")])
 def test_zero_updates_equal_single_process_updates(rank_jobs, single_process, stage, split):
-    """3 SGD steps (lr 1, one per aggregation mode) clipped to 0.05 by the engine: after each, the weights
+    """4 SGD steps (lr 1, one per aggregation mode) clipped to 0.05 by the engine: after each, the weights
     equal one process's. strided: the ranks hold different token counts in 3 micro-batches each (the
     engine's accumulation boundary on the last); rank0: rank 1 holds nothing and joins with a zero loss.
     Without the per-micro-batch engine bookkeeping, ZeRO-3 kept only the last micro-batch (diff 7e-3)."""

@@ -13,7 +13,7 @@ from helpers import datamodule, make, make_trainer, update
 from lightning_rl.algorithms import GRPO
 from lightning_rl.models.scoring import shared_prompts
 
-MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 class Probe(GRPO):
