@@ -192,3 +192,23 @@ def test_distillation_on_two_ranks_with_uneven_episodes(rank_jobs, strategy):
         expected = (a["gap_sum"] + b["gap_sum"]) / (a["count"] + b["count"])
         assert result["logged"][step] == pytest.approx(expected, rel=1e-5, abs=1e-6)
     assert a["gap_sum"] / a["count"] != pytest.approx(b["gap_sum"] / b["count"])  # the ranks' means differ
+
+
+def spread_reward(completions, **_):
+    """A task reward that tells apart any two different completions of a group."""
+    return [float(sum(ord(ch) * (i + 1) for i, ch in enumerate(c)) % 7) for c in completions]
+
+
+def test_opd_plus_rl_adds_the_weighted_task_advantages(tmp_path):
+    """``teacher.reward_weight`` 0.5: each model token's advantage is ``teacher - student`` plus half the
+    group z-score of the task rewards."""
+    from lightning_rl.maths.advantages import group_advantages
+
+    module, rollouts = _fit(tmp_path, steps=1, teacher={"reward_weight": 0.5}, sampling={"temperature": 1.0},
+                            rewards={"functions": ["test_distillation:spread_reward"]})
+    (rollout,) = rollouts.seen
+    mask = rollout.loss_mask.bool()
+    task = group_advantages(rollout.rewards, G)[:, None].expand_as(mask)
+    expected = distillation_advantages(rollout.teacher_logp, rollout.rollout_logp, rollout.loss_mask)
+    torch.testing.assert_close(rollout.advantages[mask], (expected + 0.5 * task)[mask])
+    assert task[mask].abs().max() > 0  # some group had mixed rewards: the task term is really there
