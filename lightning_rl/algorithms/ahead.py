@@ -1,6 +1,7 @@
 """What :class:`~lightning_rl.algorithms.online.OnlineRL` hands the asynchronous sampler
 (``model.sampling.max_staleness >= 1``, :mod:`lightning_rl.episodes.async_source`) when it starts: its
-engine, the trained parameters' names, the frozen reference and the DataModule's prompt streams."""
+engine, the trained parameters' names, the frozen models it scores (the reference, a distillation teacher)
+and the DataModule's prompt streams."""
 
 from __future__ import annotations
 
@@ -33,9 +34,10 @@ def start_worker(module: Any) -> None:
                          f"not {type(dm).__name__}")
     io = module.policy_io()  # the engine attached (and a CopyEngine's copy built) before the fork
     engine = module.engine
-    reference = module.reference_policy()
-    if getattr(reference, "shares_weights", False) and (thread or is_sharded(module.policy.model)):
-        reference = None  # LoRA: the reference is the trained model with adapters off: the learner scores it
+    frozen = module.frozen_scorers()
+    shared = getattr(frozen.get("reference"), "shares_weights", False)
+    if shared and (thread or is_sharded(module.policy.model)):
+        del frozen["reference"]  # LoRA: the trained model with adapters off: the learner scores it
     if is_sharded(engine.sampling_model()):
         raise ValueError("`model.sampling.max_staleness` >= 1 under FSDP2 needs a whole copy of the weights "
                          "to sample with: set `model.engine.class_path: lightning_rl.step.engine.CopyEngine` "
@@ -49,6 +51,6 @@ def start_worker(module: Any) -> None:
                           step=trainer.fit_loop.epoch_loop.batch_progress.total.processed,
                           batch_index=dm.batches_consumed, rank=trainer.global_rank,
                           refills_start=getattr(dm, "refills_consumed", 0),
-                          reference=reference,
+                          frozen=frozen,
                           scoring=(module.sampling.temperature, module.updater.micro_batch_size),
                           thread=thread, device=module.device)

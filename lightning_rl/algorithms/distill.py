@@ -53,6 +53,9 @@ class OnPolicyDistillation(OnlineRL):
         if hasattr(self.engine, "keep_logprobs"):
             self.engine.keep_logprobs()
 
+    def frozen_scorers(self) -> dict[str, Any]:
+        return {**super().frozen_scorers(), "teacher": self.teacher}
+
     def on_fit_start(self) -> None:
         super().on_fit_start()
         self.teacher.share_prompts = self.policy.share_prompts

@@ -115,6 +115,11 @@ class OnlineRL(ManualSteps, PolicyModule):
             self.__dict__["_reference"] = self.policy.reference()
         return self._reference
 
+    def frozen_scorers(self) -> dict[str, Any]:
+        """The frozen models whose log-probs a worker sampling ahead scores where it samples."""
+        reference = self.reference_policy()
+        return {"reference": reference} if reference is not None else {}
+
     # ---- the step ---------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
         start, collectives = time.perf_counter(), Collectives(self.trainer)

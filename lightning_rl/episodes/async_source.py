@@ -93,13 +93,15 @@ class AsyncRollouts:
 
     def start(self, *, io: PolicyIO, engine: Any, names: list[str], batches: Callable[[int], Iterator[Batch]],
               refills: Callable[[int], Iterator[Batch]] | None, step: int, batch_index: int, rank: int,
-              refills_start: int, reference: Any = None, scoring: tuple[float, int | None] = (1.0, None),
+              refills_start: int, frozen: dict[str, Any] | None = None,
+              scoring: tuple[float, int | None] = (1.0, None),
               thread: bool = False, device: torch.device | None = None) -> None:
         """Start the worker: a forked process, or a ``thread`` sampling on ``device``. ``engine``: the
         rollout engine (``io.generate`` is its; a thread's has its own weights), which receives each version
         through ``set_weights``; ``names``: the trained parameters' names; ``batches(i)``: the training
-        batches from batch index ``i`` on; ``step``: the trainer step of ``batch_index``; ``reference``: the
-        frozen reference, scored in the worker at ``scoring`` = (temperature, micro-batch size)."""
+        batches from batch index ``i`` on; ``step``: the trainer step of ``batch_index``; ``frozen``: the
+        frozen models scored in the worker (``{"reference": ..., "teacher": ...}``) at ``scoring`` =
+        (temperature, micro-batch size)."""
         if self.running:
             return
         context = None if thread else mp.get_context("fork")
@@ -116,7 +118,7 @@ class AsyncRollouts:
             self.stop = context.Value("b", 0, lock=False)
         worker = Worker(self.source, io, engine, self.slots, batches(batch_index + first - step), refills,
                         refills_start, first, step, self.lag, rank, sender, self.stop,
-                        None if thread else os.getpid(), self.threads, reference, scoring,
+                        None if thread else os.getpid(), self.threads, frozen, scoring,
                         device or torch.device("cpu"))
         if context is None:
             self.process = threading.Thread(target=run_worker, args=(worker,), daemon=True,

@@ -115,6 +115,9 @@ def rollout_to(rollout: Rollout, device: torch.device | str) -> Rollout:
                                if isinstance(value, Tensor) and value.device != torch.device(device)})
 
 
+FROZEN_FIELDS = {"reference": "ref_logp", "teacher": "teacher_logp"}  # the rollout field each one fills
+
+
 @dataclass
 class Worker:
     """What the worker process runs with (inherited by fork)."""
@@ -134,8 +137,8 @@ class Worker:
     stop: Any
     parent: int | None  # a process's parent pid; None: a thread
     threads: int
-    reference: Any = None
-    scoring: tuple[float, int | None] = (1.0, None)  # the reference's temperature and micro-batch size
+    frozen: dict[str, Any] | None = None  # frozen models scored here: {"reference": ..., "teacher": ...}
+    scoring: tuple[float, int | None] = (1.0, None)  # their temperature and micro-batch size
     device: torch.device = torch.device("cpu")
 
     def run(self) -> None:
@@ -170,8 +173,7 @@ class Worker:
                                                  collectives=Collectives.local(), device=self.device,
                                                  refill=refill if self.refills is not None else None)
                 rollout = replace(rollout, versions=torch.full((len(rollout),), version, dtype=torch.long))
-                if self.reference is not None:
-                    rollout, stats = self.score_reference(rollout, stats)
+                rollout, stats = self.score_frozen(rollout, stats)
                 rollout = rollout_to(rollout, "cpu")  # a thread's stream finishes here: the slot is free
                 self.send(Sampled(step, version, list(batch["prompt"]), rollout, stats, refilled))
                 step += 1
@@ -182,15 +184,18 @@ class Worker:
             self.engine.close()
 
     @torch.no_grad()
-    def score_reference(self, rollout: Rollout, stats: dict[str, float]) -> tuple[Rollout, dict[str, float]]:
-        """The frozen reference's log-probs, here rather than on the learner: they do not depend on the
-        trained weights (verl's separate reference worker), and the two sides' work is more even."""
-        start = time.perf_counter()
+    def score_frozen(self, rollout: Rollout, stats: dict[str, float]) -> tuple[Rollout, dict[str, float]]:
+        """The frozen models' log-probs (the reference's, a distillation teacher's), here rather than on the
+        learner: they do not depend on the trained weights (verl's separate reference worker), and the two
+        sides' work is more even. Each fills its field of the rollout (``FROZEN_FIELDS``)."""
         temperature, micro_batch_size = self.scoring
-        ref_logp = score_rollout(self.reference, rollout, temperature=temperature,
-                                 micro_batch_size=micro_batch_size, collectives=Collectives.local())
-        return replace(rollout, ref_logp=ref_logp), {**stats, "perf/sampler_reference_time":
-                                                     time.perf_counter() - start}
+        for name, model in (self.frozen or {}).items():
+            start = time.perf_counter()
+            logp = score_rollout(model, rollout, temperature=temperature, micro_batch_size=micro_batch_size,
+                                 collectives=Collectives.local())
+            rollout = replace(rollout, **{FROZEN_FIELDS[name]: logp})
+            stats = {**stats, f"perf/sampler_{name}_time": time.perf_counter() - start}
+        return rollout, stats
 
     def send(self, message: Sampled | Failed) -> None:
         """A process's: pickled whole (tensors as bytes: cheaper for a rollout than a shared-memory file per

@@ -158,8 +158,10 @@ class TeacherLogProbs:
 
     def __call__(self, rollout: Rollout, collectives: Collectives) -> tuple[Rollout, dict[str, float]]:
         start = time.perf_counter()
-        teacher_logp = score_rollout(self.teacher, rollout, temperature=self.temperature,
-                                     micro_batch_size=self.micro_batch_size, collectives=collectives)
+        teacher_logp = rollout.teacher_logp  # scored where the rollout was sampled (a worker ahead), or:
+        if teacher_logp is None:
+            teacher_logp = score_rollout(self.teacher, rollout, temperature=self.temperature,
+                                         micro_batch_size=self.micro_batch_size, collectives=collectives)
         # a non-finite teacher log-prob leaves the loss, as a non-finite behaviour or reference one does
         valid = rollout.loss_mask.bool()
         keep = valid & torch.isfinite(teacher_logp)

@@ -8,7 +8,7 @@ from functools import partial
 
 import pytest
 import torch
-from helpers import datamodule, make, make_trainer
+from helpers import datamodule, logprobs, make, make_trainer
 
 from lightning_rl.algorithms import OnPolicyDistillation
 from lightning_rl.callbacks.base import RLCallback
@@ -78,6 +78,7 @@ def written_out(steps: int):
     return seen, {k: v.detach().clone() for k, v in policy.model.named_parameters()}
 
 
+@pytest.mark.slow
 def test_the_step_is_distillation_written_out(tmp_path):
     module, rollouts = distill(), Rollouts()
     make_trainer(tmp_path, max_steps=STEPS, callbacks=[rollouts]).fit(module, datamodule())
@@ -158,17 +159,29 @@ def test_distillation_with_lora_trains_the_adapters_only(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_bf16_engine_and_a_worker_sampling_ahead_distill_from_their_own_logprobs(tmp_path):
+def test_a_bf16_engine_distils_from_the_recomputed_behaviour_logprobs(tmp_path):
     """The student's log-probs are the trainer's behaviour log-probs when they are scored (a bf16 engine:
-    recomputed), else the engine's own (a worker one step ahead, the policy that drew the tokens)."""
+    recomputed, the engine's own differ)."""
     _, copy = _fit(tmp_path / "copy", engine=CopyEngine("bfloat16"))
     for rollout in copy.seen:
         mask = rollout.loss_mask.bool()
+        assert not torch.equal(rollout.old_logp[mask], rollout.rollout_logp[mask])
         expected = distillation_advantages(rollout.teacher_logp, rollout.old_logp, rollout.loss_mask)
         torch.testing.assert_close(rollout.advantages[mask], expected[mask])
-    _, ahead = _fit(tmp_path / "ahead", steps=3, sampling={"max_staleness": 1, "worker": "thread"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_a_worker_sampling_ahead_scores_the_teacher_and_its_logprobs_are_the_students(tmp_path, worker):
+    """A worker one step ahead scores the teacher where it samples (the learner does not), and the student's
+    log-probs are the worker's own: the policy, one version old, that drew the tokens."""
+    module, ahead = _fit(tmp_path, steps=3, sampling={"max_staleness": 1, "worker": worker})
     assert [int(r.versions.max()) for r in ahead.seen] == [0, 0, 1]
+    assert all(s["perf/sampler_teacher_time"] > 0 and s["perf/teacher_time"] < s["perf/sampler_teacher_time"]
+               for s in ahead.stats)
     for rollout in ahead.seen:
+        torch.testing.assert_close(rollout.teacher_logp, logprobs(module, rollout, module.teacher) *
+                                   rollout.loss_mask, atol=1e-5, rtol=0)
         assert rollout.old_logp is None and rollout.rollout_logp is not None
         expected = distillation_advantages(rollout.teacher_logp, rollout.rollout_logp, rollout.loss_mask)
         mask = rollout.loss_mask.bool()
