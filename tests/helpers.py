@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 
 import lightning_rl.step.logprobs
 from lightning_rl.algorithms import GRPO
+from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.cli.main import LightningRLCLI
 from lightning_rl.data import PromptDataModule
 
@@ -77,6 +78,19 @@ def spy_policy_scoring(monkeypatch, module) -> list[int]:
 
     monkeypatch.setattr(lightning_rl.step.logprobs, "score_rollout", spy)
     return calls
+
+
+class Recorder(RLCallback):
+    """Keeps every step's final rollout (``rollouts``) and statistics (``stats``)."""
+
+    def __init__(self) -> None:
+        self.rollouts, self.stats = [], []
+
+    def on_rollout_end(self, trainer, pl_module, rollout):
+        self.rollouts.append(rollout)
+
+    def on_step_end(self, trainer, pl_module, stats):
+        self.stats.append(dict(stats))
 
 
 def update(module, minibatch):

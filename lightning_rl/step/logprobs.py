@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from lightning_rl.step.collectives import Collectives
-from lightning_rl.step.rollout import Rollout
+from lightning_rl.step.rollout import Rollout, exclude_nonfinite
 
 BehaviourSource = Literal["auto", "recompute", "from_engine", "on_policy"]
 BEHAVIOUR_SOURCES = ("auto", "recompute", "from_engine", "on_policy")
@@ -163,9 +163,6 @@ class TeacherLogProbs:
             teacher_logp = score_rollout(self.teacher, rollout, temperature=self.temperature,
                                          micro_batch_size=self.micro_batch_size, collectives=collectives)
         # a non-finite teacher log-prob leaves the loss, as a non-finite behaviour or reference one does
-        valid = rollout.loss_mask.bool()
-        keep = valid & torch.isfinite(teacher_logp)
-        rollout = replace(rollout, teacher_logp=torch.where(keep, teacher_logp, 0.0),
-                          loss_mask=keep.to(rollout.loss_mask.dtype))
+        rollout, excluded = exclude_nonfinite(replace(rollout, teacher_logp=teacher_logp))
         return rollout, {"perf/teacher_time": time.perf_counter() - start,
-                         "distill/teacher_excluded_tokens": float((valid & ~keep).sum())}
+                         "distill/teacher_excluded_tokens": excluded}

@@ -162,7 +162,7 @@ def merge_stats(stats: Mapping[str, float], extra: Mapping[str, float]) -> dict[
 
 
 def exclude_nonfinite(rollout: Rollout) -> tuple[Rollout, float]:
-    """Leave out of the loss any token whose behaviour or reference log-prob is not finite.
+    """Leave out of the loss any token whose behaviour, reference or teacher log-prob is not finite.
 
     Only ``loss_mask`` changes: the token stays in the context (``attention_mask``), so the other tokens
     of its row are scored against the same context as their behaviour and reference log-probs were.
@@ -170,14 +170,14 @@ def exclude_nonfinite(rollout: Rollout) -> tuple[Rollout, float]:
     """
     valid = rollout.loss_mask.bool()
     keep = valid
-    for logp in (rollout.old_logp, rollout.ref_logp):
+    scored = {name: getattr(rollout, name) for name in ("old_logp", "ref_logp", "teacher_logp")}
+    for logp in scored.values():
         if logp is not None:
             keep = keep & torch.isfinite(logp)
     excluded = float((valid & ~keep).sum())
     if not excluded:
         return rollout, 0.0
-    clean = {name: None if t is None else torch.where(keep, t, 0.0)
-             for name, t in (("old_logp", rollout.old_logp), ("ref_logp", rollout.ref_logp))}
+    clean = {name: None if t is None else torch.where(keep, t, 0.0) for name, t in scored.items()}
     return replace(rollout, loss_mask=keep.to(rollout.loss_mask.dtype), **clean), excluded
 
 

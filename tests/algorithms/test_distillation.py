@@ -8,10 +8,9 @@ from functools import partial
 
 import pytest
 import torch
-from helpers import datamodule, logprobs, make, make_trainer
+from helpers import Recorder, datamodule, logprobs, make, make_trainer
 
 from lightning_rl.algorithms import OnPolicyDistillation
-from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.episodes.source import round_seed
 from lightning_rl.maths.advantages import distillation_advantages
 from lightning_rl.maths.aggregation import normalizer_counts
@@ -24,17 +23,6 @@ from lightning_rl.models.teacher import TeacherOptions
 from lightning_rl.step.engine import CopyEngine, seeded
 
 G, NEW_TOKENS, STEPS, TEMPERATURE = 4, 8, 2, 0.7
-
-
-class Rollouts(RLCallback):
-    def __init__(self) -> None:
-        self.seen, self.stats = [], []
-
-    def on_rollout_end(self, trainer, pl_module, rollout):
-        self.seen.append(rollout)
-
-    def on_step_end(self, trainer, pl_module, stats):
-        self.stats.append(dict(stats))
 
 
 def distill(sampling=None, **groups):
@@ -80,10 +68,10 @@ def written_out(steps: int):
 
 @pytest.mark.slow
 def test_the_step_is_distillation_written_out(tmp_path):
-    module, rollouts = distill(), Rollouts()
+    module, rollouts = distill(), Recorder()
     make_trainer(tmp_path, max_steps=STEPS, callbacks=[rollouts]).fit(module, datamodule())
     by_hand, weights = written_out(STEPS)
-    for rollout, stats, (ids, teacher_logp, advantages) in zip(rollouts.seen, rollouts.stats, by_hand,
+    for rollout, stats, (ids, teacher_logp, advantages) in zip(rollouts.rollouts, rollouts.stats, by_hand,
                                                                strict=True):
         mask = rollout.loss_mask.bool()
         assert torch.equal(rollout.completion_ids, ids)
@@ -141,7 +129,7 @@ def test_teacher_options_are_validated(kw, key):
 
 
 def _fit(tmp_path, steps=2, **groups):
-    module, rollouts = distill(**groups), Rollouts()
+    module, rollouts = distill(**groups), Recorder()
     make_trainer(tmp_path, max_steps=steps, callbacks=[rollouts]).fit(module, datamodule(batch_size=2))
     return module, rollouts
 
@@ -154,7 +142,7 @@ def test_distillation_with_lora_trains_the_adapters_only(tmp_path):
                             optimizer=partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0))
     adapters = [n for n, p in module.policy.model.named_parameters() if p.requires_grad]
     assert adapters and all("lora_" in n for n in adapters)
-    assert all(torch.isfinite(r.advantages).all() for r in rollouts.seen)
+    assert all(torch.isfinite(r.advantages).all() for r in rollouts.rollouts)
     assert all("teacher" not in k for k in module.state_dict())
 
 
@@ -163,7 +151,7 @@ def test_a_bf16_engine_distils_from_the_recomputed_behaviour_logprobs(tmp_path):
     """The student's log-probs are the trainer's behaviour log-probs when they are scored (a bf16 engine:
     recomputed, the engine's own differ)."""
     _, copy = _fit(tmp_path / "copy", engine=CopyEngine("bfloat16"))
-    for rollout in copy.seen:
+    for rollout in copy.rollouts:
         mask = rollout.loss_mask.bool()
         assert not torch.equal(rollout.old_logp[mask], rollout.rollout_logp[mask])
         expected = distillation_advantages(rollout.teacher_logp, rollout.old_logp, rollout.loss_mask)
@@ -176,10 +164,10 @@ def test_a_worker_sampling_ahead_scores_the_teacher_and_its_logprobs_are_the_stu
     """A worker one step ahead scores the teacher where it samples (the learner does not), and the student's
     log-probs are the worker's own: the policy, one version old, that drew the tokens."""
     module, ahead = _fit(tmp_path, steps=3, sampling={"max_staleness": 1, "worker": worker})
-    assert [int(r.versions.max()) for r in ahead.seen] == [0, 0, 1]
+    assert [int(r.versions.max()) for r in ahead.rollouts] == [0, 0, 1]
     assert all(s["perf/sampler_teacher_time"] > 0 and s["perf/teacher_time"] < s["perf/sampler_teacher_time"]
                for s in ahead.stats)
-    for rollout in ahead.seen:
+    for rollout in ahead.rollouts:
         torch.testing.assert_close(rollout.teacher_logp, logprobs(module, rollout, module.teacher) *
                                    rollout.loss_mask, atol=1e-5, rtol=0)
         assert rollout.old_logp is None and rollout.rollout_logp is not None
@@ -219,7 +207,7 @@ def test_opd_plus_rl_adds_the_weighted_task_advantages(tmp_path):
 
     module, rollouts = _fit(tmp_path, steps=1, teacher={"reward_weight": 0.5}, sampling={"temperature": 1.0},
                             rewards={"functions": ["test_distillation:spread_reward"]})
-    (rollout,) = rollouts.seen
+    (rollout,) = rollouts.rollouts
     mask = rollout.loss_mask.bool()
     task = group_advantages(rollout.rewards, G)[:, None].expand_as(mask)
     expected = distillation_advantages(rollout.teacher_logp, rollout.rollout_logp, rollout.loss_mask)

@@ -81,3 +81,25 @@ def test_task_rewards_are_mixed_in_with_their_weight():
                                 Collectives.local())
     torch.testing.assert_close(adv["advantages"], T([[1.0, 0.5, -0.5, 0.0], [-0.5, 0.0, 0.5, -0.5]]))
     assert estimator.min_group_size == 2 and Distillation().min_group_size == 1  # no groups without rewards
+
+
+class NaNTeacher:
+    """Scores every token 0.5 nats below the student, except one NaN (a teacher that overflowed)."""
+
+    def token_logprobs(self, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature):
+        logp = (STUDENT - 0.5) * completion_mask
+        logp[0, 1] = float("nan")
+        return logp, None
+
+
+def test_a_non_finite_teacher_logprob_leaves_the_loss_and_is_counted():
+    from lightning_rl.step.logprobs import TeacherLogProbs
+
+    rollout, stats = TeacherLogProbs(NaNTeacher(), 1.0, None)(_rollout([0.0, 0.0], old_logp=STUDENT),
+                                                              Collectives.local())
+    assert stats["distill/teacher_excluded_tokens"] == 1.0
+    assert rollout.loss_mask.tolist() == [[1, 0, 1, 0], [1, 0, 1, 1]]  # token (0, 1) out of the loss
+    assert rollout.attention_mask.tolist() == MASK.tolist()  # still in the context
+    assert torch.isfinite(rollout.teacher_logp).all()
+    adv, _ = Distillation().estimate(rollout, Collectives.local())
+    assert torch.isfinite(adv["advantages"]).all() and adv["advantages"][0, 1] == 0

@@ -8,10 +8,10 @@ from functools import partial
 
 import pytest
 import torch
-from helpers import datamodule, logprobs, make, make_trainer, update
+from helpers import Recorder, datamodule, logprobs, make, make_trainer, update
 
 from lightning_rl.algorithms import GRPO
-from lightning_rl.callbacks import LogSamples, RLCallback
+from lightning_rl.callbacks import LogSamples
 from lightning_rl.maths.losses import policy_loss
 from lightning_rl.models.generation import SamplingParams, make_generation
 from lightning_rl.step.engine import RolloutEngine
@@ -47,23 +47,12 @@ class FakeEngine(RolloutEngine):
         return gen
 
 
-class Record(RLCallback):
-    def __init__(self) -> None:
-        self.rollouts, self.stats = [], []
-
-    def on_rollout_end(self, trainer, pl_module, rollout):
-        self.rollouts.append(rollout)
-
-    def on_step_end(self, trainer, pl_module, stats):
-        self.stats.append(dict(stats))
-
-
 def test_fake_engine_drives_the_step_without_generation(tmp_path):
     """Rewards come from the canned texts (half right, half wrong per group), advantages are the group
     z-scores of those rewards, and the policy moves."""
     engine = FakeEngine(["12345", "wrong"])
     module = make(GRPO, engine=engine, objective={"kl_coef": 0.0})
-    record = Record()
+    record = Recorder()
     before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
     # a fixed prompt whose answer is 12345 for every row
     dm = datamodule(batch_size=2)
@@ -85,7 +74,7 @@ def test_behaviour_from_engine_uses_the_engines_logprobs(tmp_path):
     engine = FakeEngine(["12345", "54321"], logp=-1.5)
     module = make(GRPO, engine=engine, objective={"kl_coef": 0.0},
                   logprobs={"behaviour": "from_engine"})
-    record = Record()
+    record = Recorder()
     make_trainer(tmp_path, max_steps=1, callbacks=[record]).fit(module, datamodule(batch_size=2))
     (rollout,) = record.rollouts
     assert torch.equal(rollout.old_logp, rollout.rollout_logp)
@@ -155,7 +144,7 @@ def _logged(tmp_path, callbacks) -> dict[str, float]:
 @pytest.mark.slow
 def test_removing_observing_callbacks_changes_no_number(tmp_path):
     plain, w_plain = _logged(tmp_path / "a", [])
-    observed, w_observed = _logged(tmp_path / "b", [Record(), LogSamples(log_samples_every_n_steps=1)])
+    observed, w_observed = _logged(tmp_path / "b", [Recorder(), LogSamples(log_samples_every_n_steps=1)])
     timing = [k for k in plain if k.startswith("perf/") and "time" in k or k.endswith("tokens_per_sec")]
     assert set(plain) == set(observed) and "policy/loss" in plain and "rollout/reward_mean" in plain
     for k in set(plain) - set(timing):
