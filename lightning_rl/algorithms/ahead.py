@@ -38,7 +38,8 @@ def start_worker(module: Any) -> None:
     shared = getattr(frozen.get("reference"), "shares_weights", False)
     if shared and (thread or is_sharded(module.policy.model)):
         del frozen["reference"]  # LoRA: the trained model with adapters off: the learner scores it
-    if is_sharded(engine.sampling_model()):
+    model = engine.sampling_model()
+    if model is not None and is_sharded(model):
         raise ValueError("`model.sampling.max_staleness` >= 1 under FSDP2 needs a whole copy of the weights "
                          "to sample with: set `model.engine.class_path: lightning_rl.step.engine.CopyEngine` "
                          "(`init_args.dtype: float32` for full precision)")

@@ -27,7 +27,6 @@ from lightning_rl.episodes.source import RolloutSource
 from lightning_rl.episodes.tool_formats import HermesFormat
 from lightning_rl.maths.objective import Objective
 from lightning_rl.models.reward_model import RewardModelScorer
-from lightning_rl.step.engine import RolloutEngine
 from lightning_rl.step.estimators import AdvantageEstimator, GroupNormalized, KLInReward
 from lightning_rl.step.filters import DynamicSampling, RolloutFilter
 from lightning_rl.step.reward_pipeline import RewardPipeline, overlong_shaping
@@ -73,15 +72,12 @@ def filter_stages(o: FilterOptions) -> list[RolloutFilter]:
     return ([DynamicSampling(o.max_gen_batches)] if o.dynamic_sampling else []) + list(o.extra)
 
 
-def rollout_source(sampler: Sampler, filters: FilterOptions, sampling: SamplingOptions,
-                   engine: RolloutEngine) -> RolloutSource | AsyncRollouts:
+def rollout_source(sampler: Sampler, filters: FilterOptions,
+                   sampling: SamplingOptions) -> RolloutSource | AsyncRollouts:
     """The sampler's half of the step: in the step (``max_staleness`` 0), or in a worker running ahead."""
     source = RolloutSource(sampler, filter_stages(filters), sampling.seed)
     if not sampling.max_staleness:
         return source
-    if not hasattr(engine, "sample_ahead"):
-        raise ValueError(f"`model.sampling.max_staleness` >= 1 samples with an older copy of the weights: "
-                         f"{type(engine).__name__} cannot (use HFEngine or CopyEngine)")
     return AsyncRollouts(source, sampling.max_staleness, sampling.worker_threads, sampling.worker)
 
 

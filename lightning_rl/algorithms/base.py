@@ -119,6 +119,23 @@ class PolicyModule(EvaluationSteps, TrainedModule):
         self.check_prompt_lengths()
         check_scoring_columns(self, getattr(self.trainer, "datamodule", None))
 
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self.sync_engine()
+
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self.sync_engine()
+
+    def sync_engine(self) -> None:
+        """The engine samples with the trained weights as they are now (an engine with its own copy skips
+        the copy when it already holds this optimiser step's weights)."""
+        self.attach_engine().sync_weights(self.policy, version=self.trainer.global_step)
+
+    def teardown(self, stage: str) -> None:
+        super().teardown(stage)
+        self.engine.close()  # a vLLM engine or server stops with the run; it starts again on its next use
+
     def check_prompt_lengths(self) -> None:
         """Fail before the first step if any train / val prompt exceeds ``max_prompt_length``, naming
         the file line (or row index) of the first one."""
@@ -218,8 +235,7 @@ class PolicyModule(EvaluationSteps, TrainedModule):
     def policy_io(self) -> PolicyIO:
         """How samplers and episodes reach the policy: through the engine attached now."""
         engine = self.attach_engine()
-        synced = bool(getattr(engine, "synced", False))
-        return PolicyIO(self.encode_prompts, engine.generate, self.decode, synced)
+        return PolicyIO(self.encode_prompts, engine.generate, self.decode, engine.synced)
 
     def complete(self, batch: dict[str, list], *, num_samples: int = 1, sampling: SamplingParams,
                  seed: int | None = None) -> Completions:

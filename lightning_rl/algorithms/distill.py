@@ -50,8 +50,7 @@ class OnPolicyDistillation(OnlineRL):
         self.learner.before.insert(0, TeacherLogProbs(self.teacher, sampling.temperature,
                                                       self.updater.micro_batch_size))
         self.learner.reads_behaviour = True  # the student's log-probs: the sampler's own, or a scoring pass
-        if hasattr(self.engine, "keep_logprobs"):
-            self.engine.keep_logprobs()
+        self.engine.keep_logprobs()  # else the learner's behaviour pass scores the student
 
     def frozen_scorers(self) -> dict[str, Any]:
         return {**super().frozen_scorers(), "teacher": self.teacher}

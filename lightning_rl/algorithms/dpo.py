@@ -104,7 +104,7 @@ class DPO(ReferenceScoring, PolicyModule):
     def on_validation_start(self) -> None:
         self.configure_prefix_sharing()
         self._maybe_precompute()
-        self.engine.sync_weights(self.policy)  # a CopyEngine samples greedy answers with the current weights
+        super().on_validation_start()  # a CopyEngine samples greedy answers with the current weights
 
     # ---- scoring -----------------------------------------------------------------------------
     def encode(self, batch: dict[str, list]) -> EncodedPairs:

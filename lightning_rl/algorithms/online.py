@@ -103,7 +103,7 @@ class OnlineRL(ManualSteps, PolicyModule):
             [self.kl_reward] if self.kl_reward is not None else [], self.advantage, updater, sampling.seed)
         self.sampler = Sampler(self.num_generations, self.sampling, self.reward_pipeline, self.episodes,
                                filters.mask_truncated)
-        self.rollouts = assembly.rollout_source(self.sampler, filters, sampling, self.engine)
+        self.rollouts = assembly.rollout_source(self.sampler, filters, sampling)
         self.needs_reference = self.objective.needs_reference or self.kl_reward is not None
         self.reference_stages = ("fit",) if self.needs_reference else ()  # validate / predict hold no copy
         self.__dict__["_reference"] = None
@@ -124,8 +124,10 @@ class OnlineRL(ManualSteps, PolicyModule):
     def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
         start, collectives = time.perf_counter(), Collectives(self.trainer)
         step = self.trainer.fit_loop.total_batch_idx
-        self.attach_engine().sync_weights(self.policy)  # after the optimiser steps of the previous step
-        self.rollouts.publish(step, self.policy.model)  # to a worker sampling ahead, as version `step`
+        if self.rollouts.max_staleness:  # to the worker sampling ahead, as version `step`; the module's own
+            self.rollouts.publish(step, self.policy.model)  # engine serves validation (synced there)
+        else:  # after the optimiser steps of the previous step
+            self.attach_engine().sync_weights(self.policy, version=self.trainer.global_step)
         sync_time = time.perf_counter() - start
         rollout, stats = self.rollouts(batch, self.policy_io(), step=step, rank=self.global_rank,
                                        collectives=collectives, device=self.device,

@@ -111,6 +111,7 @@ class ManualSteps:
 
     def teardown(self, stage: str) -> None:
         self.rollouts.close()  # a worker sampling ahead stops with the run, however it ends
+        super().teardown(stage)
 
     def compact_sampling_allowed(self) -> bool:
         return self.share_prompt_prefix

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_rl.models.generation import Generation, SamplingParams, hf_generate
 from lightning_rl.models.model_utils import base_model
@@ -34,19 +34,32 @@ if TYPE_CHECKING:
 class RolloutEngine:
     """The rollout-engine seam. Subclass and name it in YAML: ``model.init_args.engine.class_path``.
 
+    Every capability the step, the asynchronous worker and distillation use is declared here with its
+    default; an engine that has one overrides it, and nothing probes an engine with ``hasattr``.
+
     Attributes:
-        returns_logprobs: generations carry ``rollout_logp`` (behaviour log-probs ``from_engine``).
+        returns_logprobs: generations carry ``rollout_logp``, the sampled tokens' log-probs under the
+            distribution they were drawn from (behaviour log-probs ``from_engine``, the correction's input).
         is_trained_module: the engine samples with the very module being trained (the ratio of a single
             update per rollout is then exactly 1 and behaviour log-probs may be skipped).
+        samples_ahead: sampling runs ahead of the learner (``model.sampling.max_staleness``, after
+            :meth:`sample_ahead`): the weights that sample are a published version, not the trained ones.
+        synced: generation is a collective over ranks (sharded weights): every rank keeps generating until
+            all finish (set by :meth:`attach`).
+        version: the weight version the engine samples with (the trainer's optimiser step of its last
+            :meth:`sync_weights`, or the version :meth:`set_weights` received); ``None`` before any.
     """
 
     returns_logprobs: bool = False
     is_trained_module: bool = True
-    samples_ahead: bool = False  # sampling runs ahead of the learner (``max_staleness``): see sample_ahead
+    samples_ahead: bool = False
+    synced: bool = False
+    version: int | None = None
 
     def attach(self, policy: Policy, *, synced: bool = False, compact: bool = False) -> None:
         """Bind to the trained policy. ``synced``: forwards are collectives (sharded weights), so every
-        rank must keep generating until all finish; ``compact``: the compacting sampler is allowed."""
+        rank must keep generating until all finish; ``compact``: the compacting sampler is allowed. Called
+        before every use, so it must be cheap; it must not start anything that a fork would not survive."""
         raise NotImplementedError
 
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, *, num_samples: int = 1,
@@ -54,24 +67,50 @@ class RolloutEngine:
         """``num_samples`` completions per prompt; ``seed`` makes the draw reproducible (resume)."""
         raise NotImplementedError
 
-    def sync_weights(self, policy: Policy) -> None:
-        """Refresh the engine's weights from the trained policy (after an optimiser step)."""
+    def sync_weights(self, policy: Policy, version: int | None = None) -> None:
+        """Sample with the trained policy's current weights from now on (after an optimiser step, before a
+        rollout, validation or predictions). ``version``: the trainer's optimiser step; an engine already
+        holding that version may skip the copy. A no-op for an engine that samples with the module itself.
+        Under sharded weights every rank calls it (it may gather)."""
+
+    def keep_logprobs(self) -> bool:
+        """Ask for ``rollout_logp`` on every sampled generation (distillation's student log-probs). Returns
+        whether the engine gives them (``False``: the step scores the rollout itself)."""
+        return self.returns_logprobs
+
+    def sample_ahead(self) -> None:
+        """Prepare to sample ahead of the learner (``model.sampling.max_staleness`` >= 1) through the worker
+        protocol (:meth:`weights`, :meth:`set_weights`, :meth:`close`)."""
+        raise ValueError(f"`model.sampling.max_staleness` >= 1 samples with an older copy of the weights: "
+                         f"{type(self).__name__} cannot (it does not implement the worker protocol of "
+                         "lightning_rl.step.engine.RolloutEngine: sample_ahead, weights, set_weights)")
+
+    def sampling_model(self) -> nn.Module | None:
+        """The transformers model that samples in this process (``None``: the weights live elsewhere, e.g.
+        in a vLLM engine)."""
+        return None
+
+    def worker_copy(self) -> RolloutEngine:
+        """This engine for a sampler *thread* beside the learner (``model.sampling.worker: thread``): it
+        samples with the versions it receives while this one keeps serving validation."""
+        raise ValueError(f"`model.sampling.worker: thread` needs an engine with its own copy of the weights: "
+                         f"{type(self).__name__} has no worker_copy (use `worker: process`)")
 
     # ---- the worker protocol: an engine that samples ahead of the learner (`model.sampling.max_staleness`)
     def weights(self, names: list[str]) -> dict[str, Tensor]:
-        """The engine's current tensors of the trained parameters ``names`` (their shapes and dtypes are the
-        shared-memory slots' a worker receives versions in)."""
+        """Tensors shaped like the trained parameters ``names`` (full shapes, the dtype the engine wants
+        them in): the weight slots a worker receives versions in are allocated like them."""
         raise NotImplementedError(f"{type(self).__name__} cannot sample ahead of the learner")
 
     def set_weights(self, version: int, weights: dict[str, Tensor]) -> None:
         """Sample with ``weights`` (by parameter name: the trained ones, all or the adapters) from now on;
         they are weight version ``version`` (the trainer step that published them). An in-process engine
-        points its parameters at these tensors (no copy); a server client would load them and tag its
-        outputs."""
+        points its parameters at these tensors (no copy); vLLM loads them."""
         raise NotImplementedError(f"{type(self).__name__} cannot sample ahead of the learner")
 
     def close(self) -> None:
-        """Release what the engine holds (a server connection) when the worker stops."""
+        """Release what the engine holds (a vLLM engine, a server) when the run or the worker stops; the
+        engine starts again on its next use."""
 
 
 class HFEngine(RolloutEngine):
@@ -100,7 +139,7 @@ class HFEngine(RolloutEngine):
                                sampling=sampling, compact=self.compact, synced_gpus=self.synced,
                                return_logprobs=self.returns_logprobs and not sampling.greedy)
 
-    def sampling_model(self) -> Any:
+    def sampling_model(self) -> nn.Module:
         """The transformers model that samples: the attached policy's."""
         return self.policy.model
 
@@ -112,6 +151,7 @@ class HFEngine(RolloutEngine):
         mine = dict(self.sampling_model().named_parameters())
         for name, tensor in weights.items():
             mine[name].data = tensor
+        self.version = version
 
     def worker_copy(self) -> HFEngine:
         """This engine with its own frozen copy of the sampling weights, for a sampler thread beside the
@@ -126,11 +166,12 @@ class HFEngine(RolloutEngine):
         twin.synced = False
         return twin
 
-    def keep_logprobs(self) -> None:
+    def keep_logprobs(self) -> bool:
         """Generations carry the sampled tokens' log-probs (``rollout_logp``) for a stage that reads them
         (distillation's advantages): free from the compacting sampler's own logits, one scoring pass after
         transformers' ``generate``. The engine still samples with the trained module."""
         self.returns_logprobs = True
+        return True
 
     def sample_ahead(self) -> None:
         """Sampling runs ahead of the learner (``model.sampling.max_staleness``): the weights that sample
@@ -188,7 +229,7 @@ class CopyEngine(HFEngine):
 
     def attach(self, policy: Policy, *, synced: bool = False, compact: bool = False) -> None:
         if self.source is not policy:
-            self.source, self.copy = policy, self.build(policy)
+            self.source, self.copy, self.version = policy, self.build(policy), None
             self.sync_weights(policy)
         # the copy is whole on every rank: its forwards are local, never collectives
         super().attach(self.copy, synced=False, compact=compact)
@@ -216,7 +257,7 @@ class CopyEngine(HFEngine):
         engine.share_prompts = policy.share_prompts
         return engine
 
-    def sampling_model(self) -> Any:
+    def sampling_model(self) -> nn.Module:
         return self.copy.model
 
     def worker_copy(self) -> CopyEngine:
@@ -226,10 +267,11 @@ class CopyEngine(HFEngine):
         return twin
 
     @torch.no_grad()
-    def sync_weights(self, policy: Policy) -> None:
+    def sync_weights(self, policy: Policy, version: int | None = None) -> None:
         """Copy (and cast) the trained weights into the engine's; only trainable ones under LoRA."""
-        if self.copy is None:
+        if self.copy is None or (version is not None and version == self.version):
             return
+        self.version = version
         from lightning_rl.models.sharding import full_value
 
         mine = dict(self.copy.model.named_parameters())

@@ -67,7 +67,7 @@ def resolve_behaviour(source: str, updates_per_rollout: int, engine: Any) -> str
                          "(ppo_epochs * num_minibatches == 1) from an engine that samples with the trained "
                          "module or returns its log-probs; use `recompute`")
     if source == "auto":  # an engine sampling ahead: its gap weighed in the loss, with no separate pass
-        cheap = engine.is_trained_module or getattr(engine, "samples_ahead", False)
+        cheap = engine.is_trained_module or engine.samples_ahead
         return "on_policy" if exact and cheap else "recompute"
     return source
 

@@ -99,10 +99,10 @@ def test_an_fp16_copy_scores_closer_to_the_fp32_trainer_than_a_bf16_copy():
 class StaleEngine(CopyEngine):
     """Syncs only on the first call: from the second step on it samples with weights one update old."""
 
-    def sync_weights(self, policy):
+    def sync_weights(self, policy, version=None):
         if getattr(self, "synced_once", False):
             return
-        super().sync_weights(policy)
+        super().sync_weights(policy, version)
         self.synced_once = self.copy is not None
 
 
