@@ -33,7 +33,7 @@ test: setup
 
 # the unmarked tier (pyproject.toml's markers): no multi-process, learning or slow test
 test-fast: setup
-	$(VENV)/bin/pytest -q -m "not distributed and not learning and not slow"
+	$(VENV)/bin/pytest -q -m "not distributed and not learning and not slow and not vllm"
 
 lint: setup
 	$(VENV)/bin/ruff check .

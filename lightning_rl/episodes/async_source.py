@@ -125,7 +125,8 @@ class AsyncRollouts:
                                             name="lightning-rl-sampler")
             self.process.start()
         else:
-            self.process = context.Process(target=run_worker, args=(worker,), daemon=True,
+            # not daemonic: what samples may start processes of its own (a vLLM engine, a reward's pool)
+            self.process = context.Process(target=run_worker, args=(worker,), daemon=False,
                                            name="lightning-rl-sampler")
             self.process.start()
             sender.close()  # the worker's end alone: its exit, even mid-message, reads as end of file here

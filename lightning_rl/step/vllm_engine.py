@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from lightning_rl.models.policy import Policy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+INHERITED: list[Any] = []  # engines a forked process inherited from its parent: kept, never used
 
 
 class VLLMEngine(RolloutEngine):
@@ -96,12 +97,16 @@ class VLLMEngine(RolloutEngine):
         self.policy: Any = None
         self.backend: Any = None
         self.folder: str | None = None
+        self.pid = os.getpid()  # the process its backend belongs to (a forked worker starts its own)
         self.sync_time = 0.0  # seconds of the last weight push (``perf/weight_sync_time``)
 
     # ---- the protocol ----------------------------------------------------------------------------
     def attach(self, policy: Policy, *, synced: bool = False, compact: bool = False) -> None:
         """Bind to ``policy``; nothing starts here (a worker forked after this starts its own engine). vLLM's
         generation is never a collective: every rank samples from its own engine."""
+        if os.getpid() != self.pid:  # forked (a worker sampling ahead): the parent's engine is not ours,
+            INHERITED.append(self.backend)  # and never collected here (its finalizer would stop it)
+            self.backend, self.folder, self.version, self.pid = None, None, None, os.getpid()
         if policy is not self.policy:
             self.policy, self.version = policy, None
 
@@ -137,6 +142,7 @@ class VLLMEngine(RolloutEngine):
     def set_weights(self, version: int, weights: dict[str, Tensor]) -> None:
         """Push published version ``version``: the trained parameters by name (LoRA's adapters merged into
         the worker's frozen base)."""
+        self.attach(self.policy)
         if version == self.version:
             return
         if is_peft_model(self.policy.model):
@@ -164,6 +170,7 @@ class VLLMEngine(RolloutEngine):
         self.version = version if version is not None else (self.version or 0) + 1
 
     def close(self) -> None:
+        self.attach(self.policy)  # in a forked worker: the parent's engine is left to the parent
         backend, self.backend, self.version = self.backend, None, None
         if backend is not None:
             backend.close()
@@ -176,6 +183,7 @@ class VLLMEngine(RolloutEngine):
                  sampling: SamplingParams, seed: int | None = None) -> Generation:
         if self.policy is None:
             raise RuntimeError("the engine is not attached to a policy: call `attach(policy)` first")
+        self.attach(self.policy)
         if self.version is None:
             self.sync_weights(self.policy)
         prompts = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids.cpu(), prompt_mask.cpu(),
@@ -215,8 +223,8 @@ class VLLMEngine(RolloutEngine):
         limit = self.max_model_len or self.policy.context_length
         longest = max((len(p) for p in prompts), default=0)
         if limit is not None and longest + max_new_tokens > limit:
-            raise ValueError(f"a prompt of {longest} tokens plus {max_new_tokens} new tokens exceeds the vLLM "
-                             f"engine's {limit} (`{KEY}.max_model_len`, or the model's context)")
+            raise ValueError(f"a prompt of {longest} tokens plus {max_new_tokens} new tokens exceeds the "
+                             f"vLLM engine's {limit} (`{KEY}.max_model_len`, or the model's context)")
 
     # ---- the engine itself -----------------------------------------------------------------------
     def push(self, weights: list[Weight]) -> None:

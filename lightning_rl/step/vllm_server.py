@@ -172,7 +172,8 @@ class VLLMServer:
             time.sleep(0.5)
         self.close()
         raise RuntimeError(f"the vLLM server at {self.url} did not answer /health within "
-                           f"{self.options.startup_timeout:g} s (`{KEY}.server.startup_timeout`){self.log_tail()}")
+                           f"{self.options.startup_timeout:g} s (`{KEY}.server.startup_timeout`)"
+                           f"{self.log_tail()}")
 
     def check_alive(self) -> None:
         if self.process is not None and self.process.poll() is not None:
@@ -222,9 +223,11 @@ class VLLMServer:
             reply = self.call("/collective_rpc", {"method": "lrl_ping"}, 60, "a weight-loader check")
         except RuntimeError as err:
             raise RuntimeError(f"the vLLM server at {self.url} cannot take weights: it must run with "
-                               f"VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {EXTENSION} ({err})") from err
+                               f"VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {EXTENSION} ({err})"
+                               ) from err
         if "lightning-rl" not in json.dumps(reply):
-            raise RuntimeError(f"the vLLM server at {self.url} runs without --worker-extension-cls {EXTENSION}")
+            raise RuntimeError(f"the vLLM server at {self.url} runs without --worker-extension-cls "
+                               f"{EXTENSION}")
 
     def generate(self, prompts: list[list[int]], params: dict[str, Any], n: int,
                  seeds: list[int] | None) -> list[list[Sample]]:
