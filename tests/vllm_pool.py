@@ -4,7 +4,8 @@
 session fixture ``vllm_pool`` (tests/conftest.py) puts :class:`Pool` there instead. A closed engine's LLM
 goes back to the pool, and the next engine with the same arguments (the model's config, dtype, caching...)
 takes it. Sharing is safe because an engine pushes every weight before it first samples (vLLM starts with
-dummy weights) and resets the prefix cache with every push. A forked worker cannot use its parent's
+dummy weights) and resets the prefix cache with every push. Only engines started by the main thread are
+pooled (vLLM's client must stay with the thread that made it); a forked worker cannot use its parent's
 engines: in another process the pool starts real ones, which die with that process.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +49,8 @@ class Pool:
         self.started: list[ColocatedLLM] = []
 
     def __call__(self, args: dict[str, Any], model_key: str) -> Any:
-        if os.getpid() != self.pid:
-            return ColocatedLLM(args, model_key)
+        if os.getpid() != self.pid or threading.current_thread() is not threading.main_thread():
+            return ColocatedLLM(args, model_key)  # vLLM's client stays with its process and thread
         config = json.loads((Path(args["model"]) / "config.json").read_text())
         config.pop("_name_or_path", None)
         options = {k: v for k, v in args.items() if k != "model"}

@@ -121,8 +121,9 @@ class VLLMEngine(RolloutEngine):
         self.samples_ahead = True
 
     def worker_copy(self) -> VLLMEngine:
-        """An engine of its own (not started) for a sampler thread; the frozen base of a LoRA policy is
-        read from a copy of the model the thread alone holds."""
+        """An engine of its own for a sampler thread, started here (vLLM's client is then created by the
+        thread that also stops it); the frozen base of a LoRA policy is read from a copy of the model the
+        thread alone holds."""
         import copy
 
         twin = copy.copy(self)
@@ -132,6 +133,7 @@ class VLLMEngine(RolloutEngine):
 
             model = copy.deepcopy(self.policy.model).requires_grad_(False).eval()
             twin.policy = Policy(model, self.policy.tokenizer)
+        twin.start()
         return twin
 
     def weights(self, names: list[str]) -> dict[str, Tensor]:

@@ -100,7 +100,9 @@ class ColocatedLLM:
         try:
             self.llm = vllm.LLM(**args)
         except Exception as err:
-            raise RuntimeError(f"vLLM could not serve `{model_key}` ({type(err).__name__}: {err}); the "
+            reason = " ".join(str(err).split())
+            reason = reason if len(reason) < 400 else reason[:400] + " ..."
+            raise RuntimeError(f"vLLM could not serve `{model_key}` ({type(err).__name__}: {reason}); the "
                                f"engine options are `{KEY}`") from err
         self.vllm = vllm
 

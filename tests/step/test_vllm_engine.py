@@ -19,7 +19,8 @@ PROMPTS = ["50318=", "9071=", "123456=", "8=", "77401=", "2=", "66=", "901="]
 
 
 def engine_for(module, **options) -> VLLMEngine:
-    engine = VLLMEngine(**({"dtype": "float32", "max_model_len": 64} | options))
+    """An engine with configs/vllm.yaml's options (the pool's engine for the CLI tests too)."""
+    engine = VLLMEngine(**({"kv_cache_gib": 1.0} | options))
     engine.attach(module.policy)
     return engine
 
@@ -183,7 +184,7 @@ def test_a_grpo_fit_samples_with_vllm_and_logs_its_gap_and_push_time(tmp_path):
     from helpers import read_csv_metrics
     from lightning.pytorch.loggers import CSVLogger
 
-    module = make(engine=VLLMEngine(dtype="float32", max_model_len=64))
+    module = make(engine=VLLMEngine(kv_cache_gib=1.0))
     before = {n: p.detach().clone() for n, p in module.policy.model.named_parameters()}
     trainer = make_trainer(tmp_path, max_steps=3, logger=CSVLogger(tmp_path), limit_val_batches=1,
                            val_check_interval=3, log_every_n_steps=1)
