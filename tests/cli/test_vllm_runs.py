@@ -69,7 +69,8 @@ def assert_same_after(full: dict, resumed: dict, step: int, keys: list[str]) -> 
         tail_full = [(s, v) for s, v in full[key] if s > step]
         tail_resumed = [(s, v) for s, v in resumed[key] if s > step]
         assert tail_full and [s for s, _ in tail_full] == [s for s, _ in tail_resumed], key
-        assert [v for _, v in tail_full] == pytest.approx([v for _, v in tail_resumed], rel=1e-6, abs=1e-7), key
+        expected = pytest.approx([v for _, v in tail_resumed], rel=1e-6, abs=1e-7)
+        assert [v for _, v in tail_full] == expected, key
 
 
 KEYS = ["policy/loss", "rollout/reward_mean", "rollout/response_length_mean", "policy/grad_norm",
@@ -91,8 +92,9 @@ def test_predict_with_vllm_answers_as_the_hf_engine(tmp_path):
                                for p, a in [("44935=", "34459"), ("80684=", "04688"), ("32205=", "02235")]))
     rows = {}
     for name, overlay in (("vllm", ["--config", CONFIGS / "vllm.yaml"]), ("hf", [])):
-        run_cli("predict", "--config", CONFIGS / "grpo.yaml", *overlay, "--data.init_args.predict_path", prompts,
-                "--trainer.logger.init_args.save_dir", tmp_path / name, "--trainer.enable_progress_bar", "false")
+        run_cli("predict", "--config", CONFIGS / "grpo.yaml", *overlay, "--data.init_args.predict_path",
+                prompts, "--trainer.logger.init_args.save_dir", tmp_path / name,
+                "--trainer.enable_progress_bar", "false")
         path = tmp_path / name / "lightning-rl" / "version_0" / "predictions.jsonl"
         rows[name] = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows["vllm"]) == 3
