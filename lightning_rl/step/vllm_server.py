@@ -252,7 +252,7 @@ class VLLMServer:
 
     def load_weights(self, path: str, timeout: float) -> None:
         self.call("/collective_rpc", {"method": "lrl_load_weights", "args": [path], "timeout": timeout},
-                  timeout + 5, f"a weight push (`{KEY}.weight_timeout`)")
+                  timeout, f"a weight push (`{KEY}.weight_timeout`)")
 
     def reset_prefix_cache(self) -> None:
         self.call("/reset_prefix_cache", {}, 60, "a prefix-cache reset")
