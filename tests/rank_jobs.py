@@ -41,6 +41,12 @@ def resume(strategy: str) -> list[dict]:
             run("fsdp2_fit.py", "{out}/resumed", "resume", "4", "last", STRATEGY=strategy)]
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 PREDICT_ROWS = [("44935=", "34459"), ("80684=", "04688"), ("32205=", "02235"), ("71148=", "11478"),
                 ("90217=", "01279")]
 PREDICT_PROMPTS = "".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in PREDICT_ROWS)
@@ -92,6 +98,9 @@ JOBS: dict[str, list[dict]] = {
     "ddp/signals-reference": [run("signals_fit.py", "{out}", "ddp", "4")],
     "fsdp2/signals-reference": [run("signals_fit.py", "{out}", "fsdp2", "4")],
     "zero3/resume": resume("zero3"),
+    # vLLM last: these start engines (tests/vllm_fit.py)
+    "fsdp2/vllm": [run("vllm_fit.py", "{out}", "fsdp2")],
+    "ddp/vllm-server": [run("vllm_fit.py", "{out}", "ddp-server", VLLM_PORT=str(free_port()))],
 }
 # files a job reads, written before the launch
 FILES: dict[str, dict[str, str]] = {"ddp/predict": {"heldout.jsonl": PREDICT_PROMPTS}}
@@ -107,12 +116,6 @@ def expand(step: dict, out: Path) -> dict:
     if "copy" in step:
         return {"copy": [fill(s) for s in step["copy"]]}
     return {**step, "args": [fill(a) for a in step["args"]]}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_ranks(argv: list[str], logs: list[Path], env: dict[str, str] | None = None

@@ -99,6 +99,7 @@ class VLLMEngine(RolloutEngine):
         self.folder: str | None = None
         self.pid = os.getpid()  # the process its backend belongs to (a forked worker starts its own)
         self.sync_time = 0.0  # seconds of the last weight push (``perf/weight_sync_time``)
+        self.loads = 0  # weight versions this process had vLLM load (rank 0 alone for a shared server)
 
     # ---- the protocol ----------------------------------------------------------------------------
     def attach(self, policy: Policy, *, synced: bool = False, compact: bool = False) -> None:
@@ -241,6 +242,7 @@ class VLLMEngine(RolloutEngine):
         path = os.path.join(self.folder, "weights.safetensors") if writer else ""
         write_safetensors(path, weights, self.engine_dtype(), write=writer)  # every rank joins the gathers
         if writer:
+            self.loads += 1
             try:
                 self.backend.load_weights(path, self.weight_timeout)
             except TimeoutError as err:

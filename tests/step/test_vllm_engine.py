@@ -5,6 +5,8 @@ pool (tests/vllm_pool.py): starting one takes ~20 s."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from helpers import datamodule, make, make_trainer
@@ -196,3 +198,23 @@ def test_a_grpo_fit_samples_with_vllm_and_logs_its_gap_and_push_time(tmp_path):
     moved = [n for n, p in module.policy.model.named_parameters() if not torch.equal(p, before[n])]
     assert moved
     assert module.engine.backend is None  # stopped with the run
+
+
+@pytest.mark.distributed
+@pytest.mark.ranks("fsdp2/vllm", "ddp/vllm-server")
+@pytest.mark.parametrize("kind", ["fsdp2/vllm", "ddp/vllm-server"])
+def test_two_ranks_sample_with_the_weights_of_every_step(rank_jobs, kind):
+    """tests/vllm_fit.py: under FSDP2 each rank's engine gets the gathered weights every step; under DDP two
+    ranks share one server that rank 0 alone loads, and neither samples before the load. Either way each
+    rank's vLLM log-probs are its recomputed ones (so the engine held that step's weights), the ranks sample
+    their own prompts, and the engines stop with the run."""
+    ranks = json.loads((rank_jobs.out(kind) / "result.json").read_text())
+    assert len(ranks) == 2
+    for rank in ranks:
+        assert [s["version"] for s in rank["steps"]] == [0, 1, 2]
+        assert max(s["gap"] for s in rank["steps"]) < 1e-5, rank["steps"]
+        assert rank["closed"]
+    assert ranks[0]["steps"][0]["first"] != ranks[1]["steps"][0]["first"] or \
+        ranks[0]["steps"][1]["first"] != ranks[1]["steps"][1]["first"]
+    expected_loads = [3, 3] if kind == "fsdp2/vllm" else [3, 0]
+    assert [r["loads"] for r in ranks] == expected_loads
