@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -48,9 +49,9 @@ class Pool:
         self.free: dict[str, list[ColocatedLLM]] = {}
         self.started: list[ColocatedLLM] = []
 
-    def __call__(self, args: dict[str, Any], model_key: str) -> Any:
+    def __call__(self, args: dict[str, Any], model_key: str, stop: str) -> Any:
         if os.getpid() != self.pid or threading.current_thread() is not threading.main_thread():
-            return ColocatedLLM(args, model_key)  # vLLM's client stays with its process and thread
+            return ColocatedLLM(args, model_key, stop)  # vLLM's client stays with its process and thread
         config = json.loads((Path(args["model"]) / "config.json").read_text())
         config.pop("_name_or_path", None)
         options = {k: v for k, v in args.items() if k != "model"}
@@ -58,7 +59,8 @@ class Pool:
         free = self.free.setdefault(key, [])
         if free:
             return Pooled(free.pop(), self, key)
-        backend = ColocatedLLM(args, model_key)
+        # its processes hold until the pool stops them (the lending engine's folder goes when it closes)
+        backend = ColocatedLLM(args, model_key, tempfile.mktemp(prefix="lightning-rl-vllm-pool-stop-"))
         self.started.append(backend)
         return Pooled(backend, self, key)
 

@@ -130,7 +130,8 @@ class PolicyModule(EvaluationSteps, TrainedModule):
     def sync_engine(self) -> None:
         """The engine samples with the trained weights as they are now (an engine with its own copy skips
         the copy when it already holds this optimiser step's weights)."""
-        self.attach_engine().sync_weights(self.policy, version=self.trainer.global_step)
+        version = self._trainer.global_step if self._trainer is not None else None  # None: always copy
+        self.attach_engine().sync_weights(self.policy, version=version)
 
     def teardown(self, stage: str) -> None:
         super().teardown(stage)

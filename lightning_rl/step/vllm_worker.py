@@ -6,9 +6,11 @@ worker), so it imports nothing from lightning-rl but this file's own needs (torc
 server in another virtualenv can load it from the package folder alone.
 
 It also makes the vLLM processes lightning-rl starts *hold*: each dies with the process that started it
-(``PR_SET_PDEATHSIG``: a trainer killed outright leaves no engine behind) and ignores SIGINT, so a Ctrl-C to
-the terminal's process group reaches the trainer alone, which finishes its step, saves its checkpoint and
-only then stops the engine. :func:`plugin` is registered as a vLLM general plugin (loaded by every vLLM
+(``PR_SET_PDEATHSIG``: a trainer killed outright leaves no engine behind), ignores SIGINT, and ignores
+SIGTERM while that process lives and has not asked it to stop (the file ``LIGHTNING_RL_VLLM_STOP`` names
+exists). So a Ctrl-C to the terminal's process group, or a scheduler's SIGTERM to every process of the job,
+reaches the trainer alone, which finishes its step, saves its checkpoint and only then stops the engine
+(or dies, and the engine with it). :func:`plugin` is registered as a vLLM general plugin (loaded by every vLLM
 process, after vLLM installed its own signal handlers) and acts only in processes started under the
 trainer whose pid ``LIGHTNING_RL_VLLM_OWNER`` names, never in the trainer itself or in a vLLM the user runs
 otherwise; the worker's first call holds it again (a server from another virtualenv lacks the plugin).
@@ -27,6 +29,7 @@ import torch
 
 PR_SET_PDEATHSIG = 1
 OWNER = "LIGHTNING_RL_VLLM_OWNER"  # the pid of the process that starts the vLLM engine
+STOP = "LIGHTNING_RL_VLLM_STOP"  # a file that exists once the owner stops the engine
 
 
 def plugin() -> None:
@@ -37,13 +40,31 @@ def plugin() -> None:
 
 
 def hold_process() -> None:
-    """Die with the parent (SIGTERM: vLLM's own clean shutdown) and leave SIGINT to the trainer."""
+    """Die with the parent (SIGTERM: vLLM's own clean shutdown), leave SIGINT to the trainer, and take
+    SIGTERM only once the parent is gone or asked for it (see the module docstring). Idempotent."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):  # not Linux: the trainer's close() is then the only stop
         pass
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = signal.getsignal(signal.SIGTERM)
+    if getattr(previous, "holds", False):
+        return
+    parent, stop = os.getppid(), os.environ.get(STOP, "")
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if os.getppid() == parent and not (stop and os.path.exists(stop)):
+            return  # the trainer lives: it saves its checkpoint, then stops this engine itself
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    on_sigterm.holds = True  # type: ignore[attr-defined]
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 class WeightLoader:

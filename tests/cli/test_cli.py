@@ -14,7 +14,8 @@ from lightning_rl.algorithms.trained import TrainedModule
 from lightning_rl.cli.main import LightningRLCLI
 
 ALL_CONFIGS = sorted(CONFIGS.glob("*.yaml"))  # strategy overlays and examples: tests/test_overlays.py
-TOP_OVERLAYS = {"async.yaml"}  # overlays beside the algorithm configs (any online config takes them)
+# overlays beside the algorithm configs (any online config takes them)
+TOP_OVERLAYS = {"async.yaml", "vllm.yaml", "vllm_server.yaml"}
 
 
 def test_configs_exist():
