@@ -16,7 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/helpers.py
 
-from rank_jobs import JOBS, RankJobs  # noqa: E402
+from rank_jobs import JOBS, SOLO, RankJobs  # noqa: E402
 
 # the first test that reads a multi-process job waits for the whole launch (every job the session needs)
 LAUNCH_TIMEOUT = 1800
@@ -30,10 +30,10 @@ def pytest_collection_modifyitems(config, items):
         marker = item.get_closest_marker("ranks")
         if marker is None:
             continue
-        unknown = [name for name in marker.args if name not in JOBS]
+        unknown = [name for name in marker.args if name not in JOBS and name not in SOLO]
         if unknown or item.get_closest_marker("distributed") is None:
             raise pytest.UsageError(f"{item.nodeid}: ranks{marker.args} needs the `distributed` marker and "
-                                    f"names from tests/rank_jobs.py JOBS (unknown: {unknown})")
+                                    f"names from tests/rank_jobs.py JOBS or SOLO (unknown: {unknown})")
         item.add_marker(pytest.mark.timeout(LAUNCH_TIMEOUT))
 
 

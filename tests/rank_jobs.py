@@ -102,6 +102,12 @@ JOBS: dict[str, list[dict]] = {
     "fsdp2/vllm": [run("vllm_fit.py", "{out}", "fsdp2")],
     "ddp/vllm-server": [run("vllm_fit.py", "{out}", "ddp-server", VLLM_PORT=str(free_port()))],
 }
+# jobs of one process (which starts processes of its own), run after the ranks' jobs: on the core the
+# single-process tests leave free by then. A step is ``python tests/SCRIPT ARGS``.
+SOLO: dict[str, list[dict]] = {
+    "vllm/stops": [run("vllm_stops.py", "{out}")],  # runs stopped by signals, a killed worker, a dead server
+}
+SOLO_TIMEOUT = 600  # seconds one solo job may run
 # files a job reads, written before the launch
 FILES: dict[str, dict[str, str]] = {"ddp/predict": {"heldout.jsonl": PREDICT_PROMPTS}}
 JOB_TIMEOUT = 300  # seconds one job may run before the launch is killed (the longest takes ~40 s)
@@ -165,6 +171,40 @@ def launch_ranks(names: list[str], folder: Path, world: int = 2) -> None:
         time.sleep(0.2)
 
 
+def run_solo(name: str, folder: Path) -> None:
+    """Run solo job ``name``'s steps one after another as subprocesses in a session of their own, each
+    killed past ``SOLO_TIMEOUT``; ``<name>.done`` once all of them exited with status 0."""
+    out = folder / folder_name(name)
+    out.mkdir(parents=True, exist_ok=True)
+    (folder / f"{folder_name(name)}.started").write_text(repr(time.time()))
+    with open(folder / f"{folder_name(name)}.log", "w") as log:
+        for step in SOLO[name]:
+            step = expand(step, out)
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "LRL_NUM_THREADS": "1", **step["env"]}
+            proc = subprocess.Popen([sys.executable, step["script"], *step["args"]], stdout=log,
+                                    stderr=subprocess.STDOUT, env=env, cwd=HERE.parent,
+                                    start_new_session=True)
+            try:
+                code = proc.wait(timeout=SOLO_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                kill([proc])
+                (folder / "hung").write_text(name)
+                return
+            if code != 0:
+                return
+    (folder / f"{folder_name(name)}.done").write_text(repr(time.time()))
+
+
+def launch(names: list[str], folder: Path) -> None:
+    """The ranks' jobs among ``names``, then the solo ones."""
+    ranked = [n for n in names if n in JOBS]
+    if ranked:
+        launch_ranks(ranked, folder)
+    for name in names:
+        if name in SOLO:
+            run_solo(name, folder)
+
+
 def tail(path: Path, chars: int = 3000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.exists() else "(no log)"
 
@@ -182,21 +222,25 @@ class RankJobs:
 
     def start(self) -> None:
         if self.thread is None and self.names:
-            self.thread = threading.Thread(target=launch_ranks, args=(self.names, self.folder), daemon=True)
+            self.thread = threading.Thread(target=launch, args=(self.names, self.folder), daemon=True)
             self.thread.start()
 
     def out(self, name: str) -> Path:
+        """Job ``name``'s folder once it completed (waiting for it alone, not for the whole launch)."""
         if name not in self.names:
             pytest.fail(f"job {name!r} is not in this session's launch: mark the test ranks({name!r})")
         self.start()
-        self.thread.join()
         done = self.folder / f"{folder_name(name)}.done"
+        while not done.exists() and self.thread.is_alive():
+            time.sleep(0.2)
         if not done.exists():
             hung = self.folder / "hung"
-            why = (f"hung in job {hung.read_text()} (killed after {JOB_TIMEOUT} s)" if hung.exists()
+            why = (f"hung in job {hung.read_text()} (killed after its timeout)" if hung.exists()
                    else "failed")
-            logs = "\n".join(f"---- rank {r}\n" + tail(self.folder / f"rank{r}.log") for r in range(2))
-            pytest.fail(f"job {name} did not complete: the 2-rank launch {why}\n{logs}")
+            logs = "\n".join(f"---- {log.name}\n" + tail(log) for log in
+                             [*(self.folder / f"rank{r}.log" for r in range(2)),
+                              self.folder / f"{folder_name(name)}.log"] if log.exists())
+            pytest.fail(f"job {name} did not complete: the launch {why}\n{logs}")
         return self.folder / folder_name(name)
 
 

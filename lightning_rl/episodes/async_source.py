@@ -61,6 +61,8 @@ from lightning_rl.episodes.source import Batch, RolloutSource
 from lightning_rl.models.adapters import named_trainable_parameters
 from lightning_rl.step.rollout import Rollout
 
+STOP_SECONDS = 30  # a worker's own stop (a vLLM engine it started shuts down in ~5 s) before it is killed
+
 
 class AsyncRollouts:
     """The learner's side of asynchronous sampling (see the module docstring).
@@ -219,13 +221,14 @@ class AsyncRollouts:
         self.refills, self.loaded = int(state.get("refills", 0)), True
 
     def close(self) -> None:
-        """Stop the worker (at most a few seconds: it checks between rollouts and while it waits)."""
+        """Stop the worker: it checks between rollouts and while it waits, then stops what it started (a vLLM
+        engine); killed after ``STOP_SECONDS``."""
         process, self.process = self.process, None
         if process is None:
             return
         atexit.unregister(self.close)
         self.stop.value = 1
-        process.join(timeout=5)
+        process.join(timeout=STOP_SECONDS)
         if process.is_alive() and not isinstance(process, threading.Thread):
             process.kill()  # a thread in the middle of a rollout ends with it (a daemon: never waited for)
             process.join(timeout=5)

