@@ -104,7 +104,8 @@ ROOT = HERE.parent
 TRL_VERSION = "1.16.0"
 TRL_VENV = HERE / ".trl-venv"
 TRL_PYTHON = TRL_VENV / "bin" / "python"
-RUNNERS = ("ours", "trl", "trl_fused", "bare")
+RUNNERS = ("ours", "trl", "trl_fused", "bare", "ours_vllm", "ours_vllm_server", "trl_vllm")
+OVERLAYS = {"ours_vllm": ["vllm.yaml"], "ours_vllm_server": ["vllm_server.yaml"]}  # sampling with vLLM
 
 WORKLOADS: dict[str, dict[str, Any]] = {
     "A": {"prompts": 16, "group": 8, "max_new_tokens": 8, "max_prompt_length": 16, "kl_coef": 0.04,
@@ -377,7 +378,8 @@ def child_main(runner: str, spec_path: Path, result_path: Path) -> None:
     sys.path.insert(0, str(HERE))
     import vs_trl_tasks as tasks
 
-    runners = {"ours": run_ours, "trl": run_trl, "trl_fused": run_trl, "bare": run_bare, "start": run_start}
+    runners = {"ours": run_ours, "trl": run_trl, "trl_fused": run_trl, "bare": run_bare, "start": run_start,
+               "ours_vllm": run_ours, "ours_vllm_server": run_ours, "trl_vllm": run_trl}
     out = runners[runner](spec, tasks, runner)
     rss_train = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     model, tokenizer = out.pop("model"), out.pop("tokenizer")
@@ -436,6 +438,7 @@ def run_ours(spec: dict[str, Any], tasks: Any, runner: str) -> dict[str, Any]:
     args = ["--config", str(ROOT / "configs" / "grpo.yaml"),
             *(["--config", str(ROOT / "configs" / "precision" / "bf16.yaml")]
               if spec.get("precision") == "bf16" else []),
+            *[a for name in OVERLAYS.get(runner, []) for a in ("--config", str(ROOT / "configs" / name))],
             "--seed_everything", str(spec["seed"]),
             "--trainer.max_steps", str(total), "--trainer.limit_val_batches", "0",
             "--trainer.num_sanity_val_steps", "0", "--trainer.enable_checkpointing", "false",
@@ -536,7 +539,8 @@ def run_trl(spec: dict[str, Any], tasks: Any, runner: str) -> dict[str, Any]:
         use_cpu=True, bf16=spec.get("precision") == "bf16", fp16=False, gradient_checkpointing=False,
         disable_dropout=True,
         shuffle_dataset=False, seed=spec["seed"], dataloader_num_workers=0, disable_tqdm=True,
-        use_vllm=False, log_completions=False,
+        use_vllm=runner == "trl_vllm", log_completions=False,
+        **({"vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3} if runner == "trl_vllm" else {}),
     )
 
     class StepTimer(TrainerCallback):
