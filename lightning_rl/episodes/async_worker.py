@@ -167,11 +167,14 @@ class Worker:
                 tensors = self.slots.wait(version, self.stopping)
                 if tensors is None:
                     return
-                self.engine.set_weights(version, tensors)
+                loading = time.perf_counter()
+                self.engine.set_weights(version, tensors)  # a vLLM engine loads the version here
+                loaded = time.perf_counter() - loading
                 with torch.no_grad():
                     rollout, stats = self.source(batch, self.io, step=step, rank=self.rank,
                                                  collectives=Collectives.local(), device=self.device,
                                                  refill=refill if self.refills is not None else None)
+                stats = {**stats, "perf/sampler_weight_sync_time": loaded}
                 rollout = replace(rollout, versions=torch.full((len(rollout),), version, dtype=torch.long))
                 rollout, stats = self.score_frozen(rollout, stats)
                 rollout = rollout_to(rollout, "cpu")  # a thread's stream finishes here: the slot is free
