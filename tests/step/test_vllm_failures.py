@@ -24,10 +24,10 @@ PROMPTS = ["50318=", "12=", "9071="]
 
 
 def test_without_vllm_the_error_names_the_install_command(monkeypatch):
-    from lightning_rl.step import vllm_server
+    from lightning_rl.step import vllm_colocated
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
-    monkeypatch.setattr("lightning_rl.step.vllm_engine.ColocatedLLM", vllm_server.ColocatedLLM)  # not pooled
+    monkeypatch.setattr("lightning_rl.step.vllm_engine.ColocatedLLM", vllm_colocated.ColocatedLLM)  # unpooled
     module = make()
     engine = VLLMEngine()
     engine.attach(module.policy)
