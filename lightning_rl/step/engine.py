@@ -46,6 +46,10 @@ class RolloutEngine:
             :meth:`sample_ahead`): the weights that sample are a published version, not the trained ones.
         synced: generation is a collective over ranks (sharded weights): every rank keeps generating until
             all finish (set by :meth:`attach`).
+        corrects_in_loss: its log-probs are the trained weights' up to numerics (another implementation of
+            the same model), so with one update per rollout ``logprobs.behaviour: auto`` takes the trainer's
+            own log-probs at the update as the behaviour's (no separate pass) and the correction weighs the
+            gap in the loss.
         version: the weight version the engine samples with (the trainer's optimiser step of its last
             :meth:`sync_weights`, or the version :meth:`set_weights` received); ``None`` before any.
     """
@@ -54,6 +58,7 @@ class RolloutEngine:
     is_trained_module: bool = True
     samples_ahead: bool = False
     synced: bool = False
+    corrects_in_loss: bool = False
     version: int | None = None
 
     def attach(self, policy: Policy, *, synced: bool = False, compact: bool = False) -> None:

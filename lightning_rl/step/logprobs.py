@@ -14,8 +14,9 @@ Behaviour log-probs (``old_logp``) come from one of:
   (the ratio is then 1 and its gradient the plain policy gradient): from the trained module itself, or
   from an engine that returns its log-probs (another copy of the weights: a bf16 copy, a worker sampling
   ahead), whose gap to the current log-probs the correction then weighs in the loss, with no extra pass.
-- ``auto``: ``on_policy`` where that is exact with the trained module or an engine sampling ahead, else
-  ``recompute`` (a bf16 ``CopyEngine`` recomputes unless ``on_policy`` is asked for).
+- ``auto``: ``on_policy`` where that is exact with the trained module, an engine sampling ahead or one that
+  ``corrects_in_loss`` (vLLM), else ``recompute`` (a bf16 ``CopyEngine`` recomputes unless ``on_policy`` is
+  asked for).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def resolve_behaviour(source: str, updates_per_rollout: int, engine: Any) -> str
                          "(ppo_epochs * num_minibatches == 1) from an engine that samples with the trained "
                          "module or returns its log-probs; use `recompute`")
     if source == "auto":  # an engine sampling ahead: its gap weighed in the loss, with no separate pass
-        cheap = engine.is_trained_module or engine.samples_ahead
+        cheap = engine.is_trained_module or engine.samples_ahead or engine.corrects_in_loss
         return "on_policy" if exact and cheap else "recompute"
     return source
 

@@ -5,11 +5,12 @@ server``), for training rollouts, episodes, validation and ``predict``, synchron
 Token in, token out: each prompt row goes to vLLM as its token ids (padding stripped, never re-tokenised)
 with its own seed, and the sampled ids come back with the log-probs of the distribution they were drawn
 from (vLLM's ``processed_logprobs``: temperature, top-k and top-p applied): ``rollout_logp``. vLLM is
-another implementation of the same model, so those differ from the trainer's by rounding; the step
-recomputes the behaviour log-probs, weighs the gap with the rollout correction and logs it
-(``rollout/mismatch_*``). Sampling stops at the policy's EOS token only (``generation_config: vllm``: a
-checkpoint's ``generation_config.json`` changes nothing), after at most ``max_new_tokens``; greedy is
-temperature 0, as for :class:`~lightning_rl.step.engine.HFEngine`.
+another implementation of the same model, so those differ from the trainer's by rounding: the rollout
+correction weighs the gap and logs it (``rollout/mismatch_*``); with one update per rollout the trainer's
+own log-probs at the update are the behaviour's (no separate pass), with several the step recomputes them.
+Sampling stops at the policy's EOS token only (``generation_config: vllm``: a checkpoint's
+``generation_config.json`` changes nothing), after at most ``max_new_tokens``; greedy is temperature 0, as
+for :class:`~lightning_rl.step.engine.HFEngine`.
 
 vLLM starts with the model's config and no weights (``load_format: dummy``, no tokenizer): the weights come
 from the trained module (a hub model, a folder, a resumed checkpoint, LoRA merged, FSDP2 shards gathered one
@@ -73,6 +74,7 @@ class VLLMEngine(RolloutEngine):
 
     returns_logprobs = True
     is_trained_module = False
+    corrects_in_loss = True  # one update per rollout: no separate behaviour pass, the gap weighed in the loss
 
     def __init__(self, mode: Literal["colocate", "server"] = "colocate", dtype: str = "auto",
                  max_model_len: int | None = None, kv_cache_gib: float | None = None,
