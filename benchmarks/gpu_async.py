@@ -21,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -71,30 +72,33 @@ def build_model(size: str, folder: Path) -> Path:
     return folder
 
 
+KEYS = ("perf/step_time", "perf/tokens_per_sec", "perf/rollout_wait_time", "perf/weight_sync_time")
+
+
 class Record(L.Callback):
     def __init__(self) -> None:
         self.rows: list[dict[str, float]] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         m = trainer.callback_metrics
-        self.rows.append({k: float(m[k]) for k in ("perf/step_time", "perf/tokens_per_sec",
-                                                    "perf/rollout_wait_time") if k in m})
+        self.rows.append({k: float(m[k]) for k in KEYS if k in m})
 
 
-def run(variant: str, model: Path, args: argparse.Namespace, out: Path) -> str:
-    lag = {"sync": 0, "async": 1}[variant]
+def timed_fit(variant: str, model: Path, engine: object, lag: int, args: argparse.Namespace,
+              out: Path) -> tuple[Callable[[str], float], float]:
+    """GRPO on ``model`` sampled by ``engine`` (``lag`` = ``max_staleness``) for ``args.steps`` steps: the
+    median of a logged key over the steps after the first 3, and the wall time of the fit."""
     module = GRPO.configured(
         policy={"model": str(model), "max_prompt_length": 64},
         sampling={"num_generations": 8, "max_new_tokens": args.max_new_tokens, "max_staleness": lag},
-        engine=CopyEngine("bfloat16"), optimizer=partial(torch.optim.AdamW, lr=1e-6))
+        engine=engine, optimizer=partial(torch.optim.AdamW, lr=1e-6))
     record = Record()
-    accelerator = "gpu" if args.device == "cuda" else "cpu"
-    trainer = L.Trainer(accelerator=accelerator, devices=1, max_steps=args.steps, logger=False,
+    cuda = args.device == "cuda"
+    trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, max_steps=args.steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[record],
-                        default_root_dir=str(out / variant),
-                        precision="bf16-mixed" if args.device == "cuda" else "32-true")
-    if args.device == "cuda":
+                        default_root_dir=str(out / variant), precision="bf16-mixed" if cuda else "32-true")
+    if cuda:
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     trainer.fit(module, datamodule=PromptDataModule(batch_size=8))
@@ -105,6 +109,12 @@ def run(variant: str, model: Path, args: argparse.Namespace, out: Path) -> str:
         values = [r[key] for r in rows if key in r]
         return statistics.median(values) if values else float("nan")
 
+    return med, wall
+
+
+def run(variant: str, model: Path, args: argparse.Namespace, out: Path) -> str:
+    lag = {"sync": 0, "async": 1}[variant]
+    med, wall = timed_fit(variant, model, CopyEngine("bfloat16"), lag, args, out)
     memory = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
     return (f"{variant:5s} | {med('perf/step_time'):.3f} s/step | "
             f"{med('perf/tokens_per_sec'):.0f} tokens/s | wait {med('perf/rollout_wait_time'):.3f} s | "

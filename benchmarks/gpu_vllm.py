@@ -18,32 +18,18 @@ Where vLLM is not installed it says so in one line and runs the HF variants.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
-from functools import partial
 from pathlib import Path
 
-import lightning as L
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from gpu_async import Record, build_model, mount_subpackages  # noqa: E402
+from gpu_async import build_model, mount_subpackages, timed_fit  # noqa: E402
 
 mount_subpackages()
-from lightning_rl.algorithms import GRPO  # noqa: E402
-from lightning_rl.data.prompts import PromptDataModule  # noqa: E402
 from lightning_rl.step.engine import CopyEngine  # noqa: E402
-
-KEYS = ("perf/step_time", "perf/tokens_per_sec", "perf/weight_sync_time", "perf/rollout_wait_time")
-
-
-class RecordSync(Record):
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        m = trainer.callback_metrics
-        self.rows.append({k: float(m[k]) for k in KEYS if k in m})
 
 
 def engine_for(variant: str, device: str):
@@ -57,30 +43,10 @@ def engine_for(variant: str, device: str):
 
 
 def run(variant: str, model: Path, args: argparse.Namespace, out: Path) -> str:
-    module = GRPO.configured(
-        policy={"model": str(model), "max_prompt_length": 64},
-        sampling={"num_generations": 8, "max_new_tokens": args.max_new_tokens,
-                  "max_staleness": 1 if variant.endswith("async") else 0},
-        engine=engine_for(variant, args.device), optimizer=partial(torch.optim.AdamW, lr=1e-6))
-    record = RecordSync()
-    cuda = args.device == "cuda"
-    trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, max_steps=args.steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[record],
-                        default_root_dir=str(out / variant), precision="bf16-mixed" if cuda else "32-true")
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    trainer.fit(module, datamodule=PromptDataModule(batch_size=8))
-    wall = time.perf_counter() - start
-    rows = record.rows[3:] or record.rows
-
-    def med(key: str) -> float:
-        values = [r[key] for r in rows if key in r]
-        return statistics.median(values) if values else float("nan")
-
+    lag = 1 if variant.endswith("async") else 0
+    med, wall = timed_fit(variant, model, engine_for(variant, args.device), lag, args, out)
     peak = used = float("nan")
-    if cuda:
+    if args.device == "cuda":
         free, total = torch.cuda.mem_get_info()
         peak, used = torch.cuda.max_memory_allocated() / 2**30, (total - free) / 2**30
     push_ms = med("perf/weight_sync_time") * 1000

@@ -15,8 +15,8 @@ sampling ahead, its own generation); median ``perf/update_time``; median ``perf/
 push to vLLM: the learner's for synchronous runs, the learner's publish for asynchronous ones, whose vLLM
 load is ``perf/sampler_weight_sync_time``); mean ``rollout/mismatch_k3`` and ``rollout/staleness_mean``; and
 the wall time of the process (start-up included). Prints ``get_cpu_capability()`` and ``nproc`` with the
-table and writes ``benchmarks/results/vllm_speed.json``. SmolLM2 is built as in ``real_model.py`` (needs
-``gguf`` and ``accelerate`` once).
+table and updates ``benchmarks/results/vllm_speed.json`` (per variant). SmolLM2 is built as in
+``real_model.py`` (needs ``gguf`` and ``accelerate`` once).
 """
 
 from __future__ import annotations
@@ -126,8 +126,11 @@ def main() -> None:
               f"{k3} | {r['staleness']:.1f} | {r['wall_s']:.0f} |")
     real_model.RESULTS.mkdir(exist_ok=True)
     out = real_model.RESULTS / ("vllm_speed_lora.json" if args.lora else "vllm_speed.json")
-    out.write_text(json.dumps({"command": " ".join(sys.argv), "where": where, "results": results}, indent=1))
-    print(f"wrote {out.relative_to(ROOT)}")
+    saved = json.loads(out.read_text()) if out.exists() else {"results": {}}  # other variants' runs stay
+    for name, result in results.items():
+        saved["results"][name] = {**result, "command": " ".join(sys.argv), "where": where}
+    out.write_text(json.dumps(saved, indent=1))
+    print(f"wrote {out.relative_to(ROOT)} (each variant with the command and machine of its run)")
 
 
 if __name__ == "__main__":
