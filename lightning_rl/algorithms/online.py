@@ -40,7 +40,7 @@ from lightning_rl.step.estimators import AdvantageEstimator
 from lightning_rl.step.learner import Learner
 from lightning_rl.step.logprobs import resolve_behaviour
 from lightning_rl.step.rollout import Rollout, merge_stats
-from lightning_rl.step.update import TrainedModel, policy_loss
+from lightning_rl.step.update import TrainedModel, policy_loss, policy_rows
 
 
 class OnlineRL(ManualSteps, PolicyModule):
@@ -151,7 +151,11 @@ class OnlineRL(ManualSteps, PolicyModule):
 
     def trained_models(self) -> list[TrainedModel]:
         """What the updater trains: the policy (and the companions, for presets that have them)."""
-        return [TrainedModel("policy", self.policy, self.optimizers(), self.policy_loss, ("policy/loss",))]
+        return [TrainedModel("policy", self.policy, self.optimizers(), self.policy_loss, ("policy/loss",),
+                             reaches=self.policy_rows)]
+
+    def policy_rows(self, micro: Rollout) -> torch.Tensor:
+        return policy_rows(micro, self.objective.kl_coef, self.entropy_coef)
 
     def policy_loss(self, micro: Rollout, num_tokens: torch.Tensor,
                     num_seqs: torch.Tensor) -> tuple[torch.Tensor, dict]:

@@ -101,6 +101,25 @@ class Rollout:
         for start in range(0, n, size):
             yield self.select(order[start : start + size].to(self.completion_ids.device))
 
+    def trimmed(self) -> Rollout:
+        """The same rows without the padding columns they all share: leading prompt columns no row uses
+        and completion columns after the last one any row attends. Positions come from the masks, so every
+        kept token is scored in the same context, at the same position, to the same numbers."""
+        if len(self) == 0:
+            return self
+        used = self.prompt_mask.bool().any(0).nonzero()
+        first = int(used[0]) if len(used) else self.prompt_mask.shape[1]
+        used = self.attention_mask.bool().any(0).nonzero()
+        last = int(used[-1]) + 1 if len(used) else 0
+        if first == 0 and last == self.attention_mask.shape[1]:
+            return self
+        cut = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None and value.dim() == 2:
+                cut[f.name] = value[:, first:] if f.name.startswith("prompt_") else value[:, :last]
+        return replace(self, **cut)
+
     def empty(self) -> Rollout:
         """No rows, every field's shape otherwise kept (a rank's share that ran out)."""
         return self.select(torch.arange(0, device=self.completion_ids.device))

@@ -40,6 +40,8 @@ class TrainedModel:
         loss: ``(micro, num_tokens, num_seqs) -> (loss, metrics)`` with the minibatch's global counts.
         summed: metric names that are micro-batch terms of a minibatch sum (reported per minibatch).
         counts_as_step: its step is the trainer's step (``global_step``); others step alongside.
+        reaches: ``micro -> [N] bool``: the rows on which its loss can be non-zero (every other row adds
+            exactly zero to the loss and its gradient); ``None``: every row.
     """
 
     name: str
@@ -48,6 +50,7 @@ class TrainedModel:
     loss: MicroLoss
     summed: tuple[str, ...] = ()
     counts_as_step: bool = True
+    reaches: Callable[[Rollout], Tensor] | None = None
 
 
 @dataclass
@@ -67,10 +70,13 @@ class Updater:
         num_minibatches: optimiser steps per pass (each rank splits its rollout into this many).
         micro_batch_size: rows per forward / backward (``None``: a whole minibatch at once).
         max_grad_norm: gradient clipping by global norm (``None``: off).
+        skip_zero_rows: rows no trained model's loss reaches (``TrainedModel.reaches``: zero advantage on
+            every token with no KL or entropy term, or no loss token) are neither forwarded nor
+            backpropagated; the normalisers still count them, so the update is the one without skipping.
     """
 
     def __init__(self, ppo_epochs: int = 1, num_minibatches: int = 1, micro_batch_size: int | None = None,
-                 max_grad_norm: float | None = 1.0) -> None:
+                 max_grad_norm: float | None = 1.0, skip_zero_rows: bool = True) -> None:
         for key, value in {"epochs": ppo_epochs, "num_minibatches": num_minibatches}.items():
             if not value > 0:
                 raise ValueError(f"`model.update.{key}` must be > 0, got {value}")
@@ -80,6 +86,7 @@ class Updater:
             raise ValueError(f"`model.update.max_grad_norm` must be > 0 or null, got {max_grad_norm}")
         self.ppo_epochs, self.num_minibatches = ppo_epochs, num_minibatches
         self.micro_batch_size, self.max_grad_norm = micro_batch_size, max_grad_norm
+        self.skip_zero_rows = skip_zero_rows
 
     @property
     def updates_per_rollout(self) -> int:
@@ -108,8 +115,10 @@ class Updater:
         counts = torch.stack(normalizer_counts(minibatch.loss_mask)).float()
         num_tokens, num_seqs = collectives.sum(counts).unbind()
         world = collectives.world_size
-        size = self.micro_batch_size or max(len(minibatch), 1)
-        micros = list(minibatch.minibatches(size)) or [minibatch]
+        kept = self.reached_rows(minibatch, trained)
+        skipped = torch.tensor(1.0 - len(kept) / len(minibatch) if len(minibatch) else 0.0)
+        size = self.micro_batch_size or max(len(kept), 1)
+        micros = [micro.trimmed() for micro in kept.minibatches(size)] or [kept]
         roots = [t.module.model for t in trained]
         total = max(collectives.agreed_count(root, len(micros), backward=True) for root in roots)
         micros += [minibatch.empty()] * (total - len(micros))
@@ -126,13 +135,23 @@ class Updater:
                     part, part_metrics = t.loss(micro, num_tokens, num_seqs)
                     loss, metrics = loss + part, {**metrics, **part_metrics}
                 hooks.backward(loss * world)  # the normalisers are already global
-            share = len(micro) / len(minibatch)
+            share = len(micro) / len(kept)
             for name in (n for t in trained for n in t.summed if n in metrics):
                 metrics[name] = metrics[name].detach() * world / share
             metrics["perf/pad_frac"] = pad_fraction(micro)
+            metrics["perf/skipped_rows_frac"] = skipped
             yield metrics, share
+        if len(minibatch) and not len(kept):
+            yield {"perf/skipped_rows_frac": skipped}, 1.0
         for t in stepped:
             hooks.step(t)
+
+    def reached_rows(self, minibatch: Rollout, trained: list[TrainedModel]) -> Rollout:
+        """The rows of ``minibatch`` some trained model's loss reaches (all of them when not skipping)."""
+        if not self.skip_zero_rows or not len(minibatch) or any(t.reaches is None for t in trained):
+            return minibatch
+        reached = torch.stack([t.reaches(minibatch) for t in trained]).any(0)
+        return minibatch if bool(reached.all()) else minibatch.select(reached)
 
 
 def pad_fraction(micro: Rollout) -> Tensor:
@@ -140,6 +159,16 @@ def pad_fraction(micro: Rollout) -> Tensor:
     total = micro.prompt_ids.numel() + micro.completion_ids.numel()
     real = micro.prompt_mask.sum() + micro.attention_mask.sum()
     return 1.0 - real.float() / max(total, 1)
+
+
+def policy_rows(micro: Rollout, kl_coef: float, entropy_coef: float) -> Tensor:
+    """The rows the policy loss reaches: those with a loss token and, without a KL or entropy term, a
+    non-zero advantage on one (every trust region multiplies each token's term by its advantage)."""
+    mask = micro.loss_mask.bool()
+    if kl_coef or entropy_coef or micro.advantages is None:
+        return mask.any(1)
+    advantages = micro.advantages if micro.advantages.dim() == 2 else micro.advantages[:, None]
+    return (mask & (advantages != 0)).any(1)
 
 
 def policy_loss(policy: Any, micro: Rollout, objective: Any, entropy_coef: float, temperature: float,

@@ -1,0 +1,115 @@
+"""Rows the loss cannot reach are skipped by the updater, exactly: the gradient is the one without skipping.
+
+A row reaches the policy loss when it has a loss token and, without a KL or entropy term, a non-zero
+advantage on one; the others are not forwarded, while the minibatch's normalisers still count them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import make, update
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "algorithms"))
+from test_online_rl import AGGS, grads, max_diff, norm, prepare_rollout, probe  # noqa: E402
+
+from lightning_rl.algorithms import OnlineRL  # noqa: E402
+from lightning_rl.step.rollout import Rollout  # noqa: E402
+from lightning_rl.step.update import policy_rows  # noqa: E402
+
+
+def rollout_of(prompt_mask, attention_mask, advantages) -> Rollout:
+    p, c = torch.tensor(prompt_mask), torch.tensor(attention_mask)
+    n = len(p)
+    return Rollout(prompt_ids=p * 7, prompt_mask=p, completion_ids=c * 5, attention_mask=c,
+                   loss_mask=c.clone(), truncated=torch.zeros(n, dtype=torch.bool), lengths=c.sum(1),
+                   group_ids=torch.arange(n),
+                   rewards=torch.zeros(n), correct=torch.zeros(n, dtype=torch.bool),
+                   advantages=torch.tensor(advantages), old_logp=c * -0.5)
+
+
+def test_trimmed_drops_only_the_padding_columns_every_row_shares():
+    r = rollout_of([[0, 0, 1, 1], [0, 1, 1, 1]], [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0]], [1.0, -1.0])
+    t = r.trimmed()
+    assert t.prompt_mask.tolist() == [[0, 1, 1], [1, 1, 1]]  # one leading column no row uses
+    assert t.attention_mask.tolist() == [[1, 1, 0], [1, 1, 1]]  # two trailing columns no row attends
+    assert t.old_logp.shape == (2, 3) and t.loss_mask.shape == (2, 3) and t.advantages.shape == (2,)
+    full = rollout_of([[1, 1]], [[1, 1]], [0.5])
+    assert full.trimmed() is full
+
+
+def test_policy_rows_are_those_with_a_loss_token_and_a_non_zero_advantage():
+    r = rollout_of([[1], [1], [1], [1]], [[1, 1], [1, 0], [0, 0], [1, 1]], [0.0, 2.0, 3.0, -1.0])
+    assert policy_rows(r, kl_coef=0.0, entropy_coef=0.0).tolist() == [False, True, False, True]
+    # a KL or entropy term reaches every row with a loss token, whatever its advantage
+    assert policy_rows(r, kl_coef=0.1, entropy_coef=0.0).tolist() == [True, True, False, True]
+    assert policy_rows(r, kl_coef=0.0, entropy_coef=0.01).tolist() == [True, True, False, True]
+    per_token = dataclasses.replace(
+        r, advantages=torch.tensor([[0.0, 1.0], [0.0, 5.0], [1.0, 1.0], [0.0, 0.0]]))
+    assert policy_rows(per_token, 0.0, 0.0).tolist() == [True, False, False, False]  # row 1's 5.0 is padding
+
+
+def skipping_grads(module, rollout, skip: bool, micro, aggregation):
+    module.updater.skip_zero_rows, module.updater.micro_batch_size = skip, micro
+    module.objective = dataclasses.replace(module.objective, aggregation=aggregation, aggregation_length=8)
+    forwarded = []
+    original = module.policy_loss
+
+    def counting(m, num_tokens, num_seqs):
+        forwarded.append(len(m))
+        return original(m, num_tokens, num_seqs)
+
+    module.policy_loss = counting
+    metrics = update(module, rollout)
+    del module.policy_loss
+    return grads(module), sum(forwarded), metrics
+
+
+@pytest.mark.slow
+def test_skipping_zero_advantage_rows_leaves_the_gradient_unchanged_in_every_aggregation(tmp_path):
+    """Off-policy old log-probs (the clip bites), two groups with zero advantage, two rows without a loss
+    token, rows of different lengths: with and without skipping, whole and in micro-batches of 3."""
+    module = make(OnlineRL, objective={"clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.0},
+                  update={"max_grad_norm": None}, optimizer=partial(torch.optim.SGD, lr=0.0))
+
+    def experiment(trainer, module):
+        rollout = prepare_rollout(module, trainer)
+        rollout.advantages[4:12] = 0.0  # two whole groups of G = 4 carry no signal
+        reached = policy_rows(rollout, 0.0, 0.0)
+        assert int(reached.sum()) == 7  # 16 - 8 zero-advantage rows (9 among them) - row 3 (no loss token)
+        out = {}
+        for mode in AGGS:
+            for micro in (None, 3):
+                plain, n_plain, _ = skipping_grads(module, rollout, False, micro, mode)
+                skipped, n_skipped, metrics = skipping_grads(module, rollout, True, micro, mode)
+                out[(mode, micro)] = (max_diff(plain, skipped), norm(plain), n_plain, n_skipped,
+                                      float(metrics[0][0]["perf/skipped_rows_frac"]))
+        return out
+
+    for (mode, micro), (diff, scale, n_plain, n_skipped, frac) in probe(module, experiment, tmp_path).items():
+        assert scale > 1e-2, mode  # a real gradient
+        assert diff < 1e-6, (mode, micro, diff)
+        assert (n_plain, n_skipped) == (16, 7), (mode, micro)
+        assert frac == pytest.approx(9 / 16)
+
+
+@pytest.mark.slow
+def test_a_kl_term_keeps_zero_advantage_rows_in_the_update(tmp_path):
+    module = make(OnlineRL, objective={"kl_coef": 0.1}, update={"max_grad_norm": None},
+                  optimizer=partial(torch.optim.SGD, lr=0.0))
+
+    def experiment(trainer, module):
+        rollout = prepare_rollout(module, trainer)
+        rollout.advantages[:] = 0.0  # no signal at all: only the KL moves the weights
+        plain, _, _ = skipping_grads(module, rollout, False, None, "token-mean")
+        skipped, forwarded, _ = skipping_grads(module, rollout, True, None, "token-mean")
+        return max_diff(plain, skipped), norm(plain), forwarded
+
+    diff, scale, forwarded = probe(module, experiment, tmp_path)
+    assert scale > 1e-4 and diff < 1e-6
+    assert forwarded == 14  # every row but the two without a loss token
