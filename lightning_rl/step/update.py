@@ -70,13 +70,17 @@ class Updater:
         num_minibatches: optimiser steps per pass (each rank splits its rollout into this many).
         micro_batch_size: rows per forward / backward (``None``: a whole minibatch at once).
         max_grad_norm: gradient clipping by global norm (``None``: off).
+        micro_batch_tokens: a token budget per forward / backward instead of a row count: rows sorted by
+            length are packed while ``rows x (longest prompt + longest completion)`` fits (a longer row goes
+            alone); ``micro_batch_size`` then caps the rows too. ``None``: rows by ``micro_batch_size``.
         skip_zero_rows: rows no trained model's loss reaches (``TrainedModel.reaches``: zero advantage on
             every token with no KL or entropy term, or no loss token) are neither forwarded nor
             backpropagated; the normalisers still count them, so the update is the one without skipping.
     """
 
     def __init__(self, ppo_epochs: int = 1, num_minibatches: int = 1, micro_batch_size: int | None = None,
-                 max_grad_norm: float | None = 1.0, skip_zero_rows: bool = True) -> None:
+                 max_grad_norm: float | None = 1.0, skip_zero_rows: bool = True,
+                 micro_batch_tokens: int | None = None) -> None:
         for key, value in {"epochs": ppo_epochs, "num_minibatches": num_minibatches}.items():
             if not value > 0:
                 raise ValueError(f"`model.update.{key}` must be > 0, got {value}")
@@ -86,7 +90,10 @@ class Updater:
             raise ValueError(f"`model.update.max_grad_norm` must be > 0 or null, got {max_grad_norm}")
         self.ppo_epochs, self.num_minibatches = ppo_epochs, num_minibatches
         self.micro_batch_size, self.max_grad_norm = micro_batch_size, max_grad_norm
-        self.skip_zero_rows = skip_zero_rows
+        if micro_batch_tokens is not None and micro_batch_tokens < 1:
+            raise ValueError(f"`model.update.micro_batch_tokens` must be >= 1 or null, "
+                             f"got {micro_batch_tokens}")
+        self.skip_zero_rows, self.micro_batch_tokens = skip_zero_rows, micro_batch_tokens
 
     @property
     def updates_per_rollout(self) -> int:
@@ -117,8 +124,7 @@ class Updater:
         world = collectives.world_size
         kept = self.reached_rows(minibatch, trained)
         skipped = torch.tensor(1.0 - len(kept) / len(minibatch) if len(minibatch) else 0.0)
-        size = self.micro_batch_size or max(len(kept), 1)
-        micros = [micro.trimmed() for micro in kept.minibatches(size)] or [kept]
+        micros = self.micro_batches(kept)
         roots = [t.module.model for t in trained]
         total = max(collectives.agreed_count(root, len(micros), backward=True) for root in roots)
         micros += [minibatch.empty()] * (total - len(micros))
@@ -146,12 +152,42 @@ class Updater:
         for t in stepped:
             hooks.step(t)
 
+    def micro_batches(self, rows: Rollout) -> list[Rollout]:
+        """``rows`` in micro-batches (by row count, or by token budget), each without shared padding."""
+        if not len(rows):
+            return [rows]
+        if self.micro_batch_tokens is None:
+            size = self.micro_batch_size or len(rows)
+            return [micro.trimmed() for micro in rows.minibatches(size)]
+        bins = token_bins(rows.prompt_mask, rows.attention_mask, self.micro_batch_tokens,
+                          self.micro_batch_size or len(rows))
+        return [rows.select(index.to(rows.completion_ids.device)).trimmed() for index in bins]
+
     def reached_rows(self, minibatch: Rollout, trained: list[TrainedModel]) -> Rollout:
         """The rows of ``minibatch`` some trained model's loss reaches (all of them when not skipping)."""
         if not self.skip_zero_rows or not len(minibatch) or any(t.reaches is None for t in trained):
             return minibatch
         reached = torch.stack([t.reaches(minibatch) for t in trained]).any(0)
         return minibatch if bool(reached.all()) else minibatch.select(reached)
+
+
+def token_bins(prompt_mask: Tensor, attention_mask: Tensor, budget: int, max_rows: int) -> list[Tensor]:
+    """Row indices in bins whose padded size ``rows x (longest prompt + longest completion)`` stays within
+    ``budget`` (a row alone may pass it) and whose rows number at most ``max_rows``: rows longest first,
+    each bin filled in that order, so rows of like lengths share a bin."""
+    prompt = prompt_mask.sum(1).cpu()
+    used = attention_mask.bool().cpu()
+    completion = torch.where(used.any(1), used.shape[1] - used.flip(1).int().argmax(1), 0)
+    order = torch.argsort(prompt + completion, descending=True, stable=True)
+    bins, current, top_p, top_c = [], [], 0, 0
+    for row in order.tolist():
+        p, c = max(top_p, int(prompt[row])), max(top_c, int(completion[row]))
+        if current and ((len(current) + 1) * (p + c) > budget or len(current) == max_rows):
+            bins.append(torch.tensor(current))
+            current, p, c = [], int(prompt[row]), int(completion[row])
+        current.append(row)
+        top_p, top_c = p, c
+    return bins + [torch.tensor(current)]
 
 
 def pad_fraction(micro: Rollout) -> Tensor:

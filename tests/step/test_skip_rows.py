@@ -20,7 +20,7 @@ from test_online_rl import AGGS, grads, max_diff, norm, prepare_rollout, probe  
 
 from lightning_rl.algorithms import OnlineRL  # noqa: E402
 from lightning_rl.step.rollout import Rollout  # noqa: E402
-from lightning_rl.step.update import policy_rows  # noqa: E402
+from lightning_rl.step.update import policy_rows, token_bins  # noqa: E402
 
 
 def rollout_of(prompt_mask, attention_mask, advantages) -> Rollout:
@@ -113,3 +113,42 @@ def test_a_kl_term_keeps_zero_advantage_rows_in_the_update(tmp_path):
     diff, scale, forwarded = probe(module, experiment, tmp_path)
     assert scale > 1e-4 and diff < 1e-6
     assert forwarded == 14  # every row but the two without a loss token
+
+
+# ------------------------------------------------------------------------ token-budget micro-batches
+def test_token_bins_pack_rows_of_like_lengths_within_the_budget():
+    prompt = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1], [0, 1, 1], [1, 1, 1]])  # lengths 2 3 1 2 3
+    completion = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0]])
+    # totals 6 4 3 6 6 -> longest first: rows 0 3 4 (6 each), then 1 (4), then 2 (3)
+    bins = token_bins(prompt, completion, budget=12, max_rows=8)
+    # [0, 3]: 2 x (2 + 4) = 12; + row 4 would be 3 x (3 + 4) = 21 > 12; [4, 1]: 2 x (3 + 3) = 12; [2] alone
+    assert [b.tolist() for b in bins] == [[0, 3], [4, 1], [2]]
+    assert [b.tolist() for b in token_bins(prompt, completion, budget=5, max_rows=8)] == [[0], [3], [4], [1],
+                                                                                          [2]]
+    assert [b.tolist() for b in token_bins(prompt, completion, budget=100, max_rows=2)] == [[0, 3], [4, 1],
+                                                                                            [2]]
+
+
+@pytest.mark.slow
+def test_a_token_budget_makes_the_same_gradient_with_less_padding(tmp_path):
+    module = make(OnlineRL, objective={"clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.1},
+                  update={"max_grad_norm": None}, optimizer=partial(torch.optim.SGD, lr=0.0))
+
+    def experiment(trainer, module):
+        rollout = prepare_rollout(module, trainer)
+        out = {}
+        for mode in AGGS:
+            module.updater.micro_batch_tokens = None
+            whole, _, plain = skipping_grads(module, rollout, True, None, mode)
+            module.updater.micro_batch_tokens = 40
+            binned, forwarded, metrics = skipping_grads(module, rollout, True, None, mode)
+            pads = [float(m["perf/pad_frac"]) for m, _ in metrics]
+            pad_whole = float(plain[0][0]["perf/pad_frac"])
+            pad_binned = sum(p * s for p, (_, s) in zip(pads, metrics, strict=True))
+            out[mode] = (max_diff(whole, binned), norm(whole), len(metrics), pad_whole, pad_binned)
+        return out
+
+    for mode, (diff, scale, micros, pad_whole, pad_binned) in probe(module, experiment, tmp_path).items():
+        assert scale > 1e-2 and diff < 1e-6, (mode, diff)
+        assert micros > 1  # the budget split the 14 rows with a loss token
+        assert pad_binned < pad_whole, mode
