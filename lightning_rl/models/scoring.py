@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_rl.models.model_utils import (
     base_model,
@@ -92,9 +94,11 @@ def split_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
 def _valid_position_logprobs(
     split: tuple[nn.Module, nn.Linear], prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
     completion_mask: Tensor, temperature: float, top_k: int, top_p: float, with_entropy: bool,
+    chunk: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``token_logprobs`` with each distinct prompt run once and the output layer (and the softmax over
-    the vocabulary) applied only at the completion's real tokens, not at its padding.
+    the vocabulary) applied only at the completion's real tokens, not at its padding; with ``chunk``,
+    over that many tokens at a time (their fp32 logits recomputed in the backward, never all kept).
 
     Entropy is 0 on padding. The same values and gradients as the one-pass form, to float rounding.
     """
@@ -115,16 +119,33 @@ def _valid_position_logprobs(
                   **{cache_argument(decoder): cache})
     hidden = torch.cat([last, out.last_hidden_state[:, :-1]], dim=1)  # the states predicting each token
     valid = completion_mask.bool()
-    logits = head(hidden[valid]).float() / temperature
+    scored = partial(_head_logprobs, head, temperature=temperature, top_k=top_k, top_p=top_p,
+                     with_entropy=with_entropy)
+    states, targets = hidden[valid], completion_ids[valid]
+    if chunk is None or len(states) <= chunk:
+        parts = [scored(states, targets)]
+    else:  # one chunk's [chunk, V] logits at a time, recomputed in the backward instead of kept for it
+        grad = torch.is_grad_enabled() and (states.requires_grad or head.weight.requires_grad)
+        parts = [checkpoint(scored, h, t, use_reentrant=False) if grad else scored(h, t)
+                 for h, t in zip(states.split(chunk), targets.split(chunk), strict=True)]
+    logp = hidden.new_zeros(valid.shape, dtype=torch.float32).masked_scatter(
+        valid, torch.cat([part[0] for part in parts]))
+    if not with_entropy:
+        return logp, None
+    return logp, torch.zeros_like(logp).masked_scatter(valid, torch.cat([part[1] for part in parts]))
+
+
+def _head_logprobs(head: nn.Linear, states: Tensor, targets: Tensor, *, temperature: float, top_k: int,
+                   top_p: float, with_entropy: bool) -> tuple[Tensor, Tensor]:
+    """Log-probs of ``targets`` (and the entropy, else an empty tensor) from hidden ``states`` ``[M, H]``."""
+    logits = head(states).float() / temperature
     if top_k > 0 or top_p < 1.0:
         logits = filter_logits(logits, top_k, top_p)
     logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.new_zeros(valid.shape).masked_scatter(
-        valid, logp_all.gather(-1, completion_ids[valid].unsqueeze(-1)).squeeze(-1))
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
-        return logp, None
-    entropy = -(logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)
-    return logp, logp_all.new_zeros(valid.shape).masked_scatter(valid, entropy)
+        return logp, logp.new_empty(0)
+    return logp, -(logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)
 
 
 def _all_completion_logits(
@@ -166,6 +187,7 @@ class TokenScorer(nn.Module):
     """
 
     share_prompts: bool = False
+    logprob_chunk: int | None = None  # tokens per chunk of the output layer (prompt-sharing path), None: all
 
     def _scoring(self) -> tuple[nn.Module, AbstractContextManager]:
         raise NotImplementedError
@@ -200,7 +222,8 @@ class TokenScorer(nn.Module):
         if split is not None:
             with context:
                 return _valid_position_logprobs(split, prompt_ids, prompt_mask, completion_ids,
-                                                completion_mask, temperature, top_k, top_p, with_entropy)
+                                                completion_mask, temperature, top_k, top_p, with_entropy,
+                                                self.logprob_chunk)
         with context:
             logits = _all_completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                             self.share_prompts)

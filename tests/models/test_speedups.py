@@ -127,3 +127,42 @@ def test_compacting_sampler_draws_from_the_models_distribution():
     freq = torch.bincount(draws.completion_ids[:, 0], minlength=len(probs)).float() / 4000
     assert (freq - probs).abs().max() < 0.03
     assert draws.completion_mask.shape == (4000, 1)
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_log_probs_in_chunks_equal_the_whole_head_in_value_and_gradient(top_k):
+    """``update.logprob_chunk``: the output layer and softmax over 7 tokens at a time (the chunk's logits
+    recomputed in the backward) give the log-probs, the entropy and the gradients of the whole head."""
+    module = make(GRPO)
+    policy = module.policy
+    policy.disable_dropout()
+    policy.share_prompts = True
+    ids, mask = module.encode_prompts(["12345=", "907=", "5555123=", "31="])
+    torch.manual_seed(0)
+    gen = policy.generate(ids, mask, num_samples=4, max_new_tokens=8)
+    args = (gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask)
+    assert int(gen.completion_mask.sum()) > 3 * 7  # several chunks, the last one partial
+    weights = torch.randn(gen.completion_mask.shape, generator=torch.Generator().manual_seed(1))
+    out, rows = [], []
+    head = policy.model.get_output_embeddings()
+    hook = head.register_forward_hook(lambda mod, inputs, output: rows.append(inputs[0].shape[0]))
+    for chunk in (None, 7):
+        policy.logprob_chunk = chunk
+        policy.zero_grad()
+        logp, entropy = policy.token_logprobs(*args, with_entropy=True, temperature=0.7, top_k=top_k)
+        ((logp * weights).sum() + entropy.sum()).backward()
+        out.append((logp.detach(), entropy.detach(),
+                    {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}))
+    hook.remove()
+    tokens = int(gen.completion_mask.sum())
+    chunks = -(-tokens // 7)
+    pieces = [7] * (chunks - 1) + [tokens - 7 * (chunks - 1)]
+    # the whole head once; then each chunk in the forward, and again (in any order) in the backward
+    assert rows[:1 + chunks] == [tokens, *pieces] and sorted(rows[1 + chunks:]) == sorted(pieces)
+    (logp_a, ent_a, grad_a), (logp_b, ent_b, grad_b) = out
+    torch.testing.assert_close(logp_a, logp_b, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent_a, ent_b, atol=1e-6, rtol=0)
+    assert grad_a.keys() == grad_b.keys() and len(grad_a) > 10
+    assert max(float(g.abs().max()) for g in grad_a.values()) > 1e-2  # a real gradient
+    for name in grad_a:
+        torch.testing.assert_close(grad_a[name], grad_b[name], atol=1e-6, rtol=1e-5, msg=name)
