@@ -71,14 +71,29 @@ def fixed_rollout(module: GRPO) -> Rollout:
     return rollout
 
 
+MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "skip")
+
+
+def for_mode(module: GRPO, rollout: Rollout, mode: str) -> Rollout:
+    """The rollout and objective of one probe mode: an aggregation; or ``skip``: no KL term and no signal
+    on the odd rows, so the updater skips them (under the strided split all of rank 1's rows: it joins
+    the gradient reduction with empty micro-batches only), and the normalisers still count them."""
+    if mode != "skip":  # seq-mean-token-sum-norm over the completion budget, as training sets it
+        module.objective = dataclasses.replace(module.objective, aggregation=mode, aggregation_length=8)
+        return rollout
+    module.objective = dataclasses.replace(module.objective, aggregation="seq-mean-token-mean", kl_coef=0.0)
+    advantages = rollout.advantages.clone()
+    advantages[1::2] = 0.0
+    return dataclasses.replace(rollout, advantages=advantages)
+
+
 class Probe(GRPO):
     def training_step(self, batch, batch_idx):
         rollout = fixed_rollout(self)
         world, rank = self.trainer.world_size, self.global_rank
         grads = {}
-        for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
-            self.objective = dataclasses.replace(self.objective, aggregation=mode)
-            update(self, rollout.select(torch.arange(rank, len(rollout), world)))
+        for mode in MODES:
+            update(self, for_mode(self, rollout, mode).select(torch.arange(rank, len(rollout), world)))
             grads[mode] = {n: p.grad.detach().clone() for n, p in self.policy.named_parameters()}
         if rank == 0:
             torch.save(grads, sys.argv[1])

@@ -11,7 +11,6 @@ the ZeRO-3 partitions) and the ``policy/grad_norm`` of each (the engine's, as ha
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from functools import partial
@@ -25,7 +24,7 @@ from lightning_rl.data import PromptDataModule
 from lightning_rl.models.sharding import full_state_dict, zero3_partitioned
 
 sys.path.insert(0, os.path.dirname(__file__))
-from ddp_update import fixed_rollout, update  # noqa: E402
+from ddp_update import MODES, fixed_rollout, for_mode, update  # noqa: E402
 from deepspeed_cpu import CPUDeepSpeedStrategy  # noqa: E402
 from fsdp2_update import record_norms  # noqa: E402
 
@@ -38,13 +37,13 @@ class Probe(GRPO):
         rollout = fixed_rollout(self)
         world, rank = self.trainer.world_size, self.global_rank
         weights = []
-        for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
-            self.objective = dataclasses.replace(self.objective, aggregation=mode)
+        for mode in MODES:
+            step_rollout = for_mode(self, rollout, mode)
             if SPLIT == "rank0":
                 rows = torch.arange(0, len(rollout), 2) if rank == 0 else torch.arange(0)
             else:
                 rows = torch.arange(rank, len(rollout), world)
-            update(self, rollout.select(rows))
+            update(self, step_rollout.select(rows))
             full = full_state_dict(self.policy.model) if world > 1 else self.policy.model.state_dict()
             weights.append({k: v.detach().clone() for k, v in full.items()})  # CPU state dicts alias weights
         if rank == 0:

@@ -12,7 +12,6 @@ to the step's metrics (``module.step_metrics``), is saved with its type.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from functools import partial
@@ -28,7 +27,7 @@ from lightning_rl.models.sharding import full_value, is_sharded
 from lightning_rl.step.metrics import StepMetrics
 
 sys.path.insert(0, os.path.dirname(__file__))
-from ddp_update import fixed_rollout, update  # noqa: E402
+from ddp_update import MODES, fixed_rollout, for_mode, update  # noqa: E402
 
 SPLIT = sys.argv[4] if len(sys.argv) > 4 else "strided"
 
@@ -60,13 +59,13 @@ class Probe(GRPO):
         rollout = fixed_rollout(self)
         world, rank = self.trainer.world_size, self.global_rank
         grads = {}
-        for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
-            self.objective = dataclasses.replace(self.objective, aggregation=mode)
+        for mode in MODES:
+            step_rollout = for_mode(self, rollout, mode)
             if SPLIT == "rank0":
                 rows = torch.arange(0, len(rollout), 2) if rank == 0 else torch.arange(0)
             else:
                 rows = torch.arange(rank, len(rollout), world)
-            update(self, rollout.select(rows))
+            update(self, step_rollout.select(rows))
             grads[mode] = {n: full_value(p.grad).detach().clone() for n, p in self.policy.named_parameters()}
         if rank == 0:
             result = {"grads": grads, "norms": recorder.norms, "sharded": is_sharded(self.policy.model)}
