@@ -1,8 +1,8 @@
 """Asynchronous sampling (``max_staleness: 1``) on 2 gloo ranks under DDP or FSDP2, with uneven sampler
 speeds: rank 1's reward sleeps, so its worker is the slow one. Every rank makes the same collectives every
 step whatever its worker did, each step trains on the rollout of its own batch sampled one version back,
-and, the lag being fixed, DDP and FSDP2 sample the same tokens and train to the same weights (up to the
-order of their reductions).
+and, the lag being fixed, DDP and FSDP2 sample the same tokens and compute the same gradients and weights
+(up to the order of their reductions; SGD with momentum, whose weights follow the gradients linearly).
 
     python tests/async_fit.py OUT_DIR ddp|fsdp2 [CKPT_EVERY | RESUME_CKPT]
 
@@ -11,7 +11,8 @@ it (DDP): each rank's rollouts sampled ahead travel in rank 0's file and return 
 
 Under FSDP2 the worker samples with a whole float32 ``CopyEngine`` (the sharded policy cannot sample alone);
 weights reach it gathered one parameter at a time. Rank 0 writes ``OUT_DIR/result.pt``: the trained
-weights (gathered), and per rank and step the rollout's versions and the logged staleness.
+weights (gathered), each step's whole gradient, and per rank and step the rollout's versions and tokens and
+the logged staleness.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def uneven_reward(prompts, completions, answer, **_):
 class Record(RLCallback):
     def __init__(self) -> None:
         self.steps: list[dict] = []
+        self.grads: list[dict[str, torch.Tensor]] = []  # rank 0: each step's whole gradient
 
     def on_rollout_end(self, trainer, pl_module, rollout):
         self.steps.append({"step": trainer.fit_loop.total_batch_idx, "versions": rollout.versions.tolist(),
@@ -51,6 +53,23 @@ class Record(RLCallback):
 
     def on_step_end(self, trainer, pl_module, stats):
         self.steps[-1]["staleness"] = stats["rollout/staleness_max"]
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        """The step's gradient as the optimiser gets it (reduced over ranks), whole: under FSDP2 each shard
+        is gathered (every rank joins); rank 0 keeps it."""
+        grads = {}
+        for name, p in pl_module.policy.model.named_parameters():
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads[name] = g.detach().cpu().clone()
+        if trainer.global_rank == 0:
+            self.grads.append(grads)
+
+
+# SGD with momentum, not Adam: the weights are then a linear function of the gradients, so DDP's and FSDP2's
+# differ by about what their gradients do (tests/episodes/test_async_sampling.py derives the bound); Adam
+# turns reduction-order noise in near-zero gradients into steps of about `lr` either way. Momentum keeps an
+# optimiser state for the resumed run to restore.
+LR, MOMENTUM = 1e-2, 0.9
 
 
 def checkpoints(out: str, every: int | None) -> list:
@@ -78,14 +97,14 @@ def main() -> None:
         policy={"model": "builtin:tiny-sort", "max_prompt_length": 16},
         sampling={"max_new_tokens": 8, "num_generations": 4, "max_staleness": 1}, engine=engine,
         rewards={"functions": ["async_fit:uneven_reward"]}, update={"max_grad_norm": None},
-        optimizer=partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0))
+        optimizer=partial(torch.optim.SGD, lr=LR, momentum=MOMENTUM))
     trainer.fit(module, PromptDataModule(batch_size=2), ckpt_path=resume)
     weights = full_state_dict(module.policy.model)  # every rank joins the gathers
     steps: list = [None, None]
     dist.all_gather_object(steps, record.steps)
     if trainer.global_rank == 0:
-        torch.save({"weights": weights, "steps": steps, "worker": module.rollouts.process},
-                   os.path.join(out, "result.pt"))
+        torch.save({"weights": weights, "steps": steps, "grads": record.grads,
+                    "worker": module.rollouts.process}, os.path.join(out, "result.pt"))
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ from lightning_rl.episodes.environments import (
 )
 from lightning_rl.episodes.tool_formats import ToolFormat, chat_suffix
 from lightning_rl.episodes.tool_formats import tool_format as make_tool_format
-from lightning_rl.episodes.tools import Tool, ToolCall, ToolResult, execute, load_tools
+from lightning_rl.episodes.tools import Tool, execute_all, load_tools
 from lightning_rl.maths.checks import require
 from lightning_rl.models.generation import Generation, SamplingParams
 from lightning_rl.text.pairs import pad_rows
@@ -96,7 +96,8 @@ class EpisodeRunner:
         chat: observations are rendered through the chat template (``model.policy.chat_template`` on).
         max_turns: model turns per episode, at least 1.
         max_episode_tokens: tokens after the prompt (model and observation tokens), at least 1.
-        tool_timeout: seconds a tool call may take before it answers an error.
+        tool_timeout: seconds a turn's tool calls may take (they run at once, under one deadline); a call
+            not back by then answers an error.
         on_env_error: ``raise`` stops on an environment's exception or contract violation; ``zero`` ends
             that episode with return 0 (its reward is 0 whatever the reward functions say) and counts it
             (``rollout/env_errors``).
@@ -275,12 +276,11 @@ class EpisodeRunner:
         """``(role, observation text)`` for a model turn: tool results when it calls tools, else the
         environment's answer (or the end of the episode without one)."""
         calls = self.format.parse(text, self.tools) if self.tools else []
-        if calls:
-            results = [execute(self.tools, c, self.tool_timeout) if isinstance(c, ToolCall) else c
-                       for c in calls]
+        if calls:  # at once, under one deadline: a turn costs at most one `tool_timeout` however many hang
+            results = execute_all(self.tools, calls, self.tool_timeout)
             ep.tool_calls += len(results)
-            ep.tool_errors += sum(isinstance(r, ToolResult) and r.error for r in results)
-            ep.tool_timeouts += sum(isinstance(r, ToolResult) and r.timed_out for r in results)
+            ep.tool_errors += sum(r.error for r in results)
+            ep.tool_timeouts += sum(r.timed_out for r in results)
             return "tool", self.format.render_results(results, self.tokenizer)
         if ep.env is None:
             ep.done = True

@@ -4,15 +4,15 @@ A tool is named in YAML by import path (``model.episodes.tools: [package.module:
 OpenAI/HF function form that chat templates render) is built from its signature and Google docstring
 (:mod:`lightning_rl.episodes.tool_schemas`).
 The formats that find the calls in a model turn and render their results are in
-:mod:`lightning_rl.episodes.tool_formats`. ``execute`` runs one call with a timeout and never raises: every
-failure becomes a ``ToolResult`` with ``error=True``.
+:mod:`lightning_rl.episodes.tool_formats`. ``execute_all`` runs a turn's calls at once under one deadline
+and never raises: every failure becomes a ``ToolResult`` with ``error=True``.
 
-User tools run in a forked worker process (:mod:`lightning_rl.step.workers`), killed on timeout, so a tool
+User tools run in forked worker processes (:mod:`lightning_rl.step.workers`), killed on timeout, so a tool
 stuck in C code holding the GIL is stopped and no thread outlives its call; built-in tools that are bounded by
 construction (``calculator``) run in-process. Tools that run commands, evaluate code or delete files
-(``os:system``, ``subprocess:run``, ``builtins:eval``, ``shutil:rmtree``...) are refused unless
-``model.episodes.allow_unsafe_tools: true``: model-written code belongs in the sandbox tool
-``lightning_rl.sandbox:python``.
+(``os:system``, ``subprocess:run``, ``builtins:eval``, ``shutil:rmtree``...: the rule of
+:mod:`lightning_rl.step.unsafe`) are refused unless ``model.episodes.allow_unsafe_tools: true``: model-written
+code belongs in the sandbox tool ``lightning_rl.sandbox:python``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,31 +28,18 @@ from lightning_rl import moved_hint, split_import_path
 from lightning_rl.episodes.calculator import calculator
 from lightning_rl.episodes.tool_schemas import tool_schema
 from lightning_rl.sandbox import python as sandbox_python
-from lightning_rl.step.workers import WORKERS, CallRaised, CallTimedOut, WorkerDied, describe
+from lightning_rl.step.rewards import Job, Outcome, run_all
+from lightning_rl.step.unsafe import refuse_unsafe
+from lightning_rl.step.workers import CallRaised, WorkerDied, describe
 
 MAX_RESULT_CHARS = 1_000_000  # a result is cut to this many characters in the worker, before it is sent
 # bounded by construction, no worker hop: the calculator; the sandbox tool (its own child process, limits
 # and timeout; a worker killed on `tool_timeout` would leave that child behind)
 IN_PROCESS: frozenset[Callable[..., Any]] = frozenset({calculator, sandbox_python})
-# standard-library functions that run commands, evaluate code or delete files: (module, names, what they do)
-UNSAFE: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("os", ("system", "popen", "execl", "execle", "execlp", "execlpe", "execv", "execve", "execvp", "execvpe",
-            "spawnl", "spawnle", "spawnlp", "spawnlpe", "spawnv", "spawnve", "spawnvp", "spawnvpe",
-            "posix_spawn", "posix_spawnp", "fork", "forkpty"), "runs commands"),
-    ("os", ("kill", "killpg"), "kills processes"),
-    ("subprocess", ("*",), "runs commands"),  # every name in its __all__
-    ("pty", ("spawn", "fork"), "runs commands"),
-    ("asyncio", ("create_subprocess_exec", "create_subprocess_shell"), "runs commands"),
-    ("webbrowser", ("open", "open_new", "open_new_tab"), "runs commands"),
-    ("builtins", ("eval", "exec", "compile", "__import__"), "evaluates code"),
-    ("builtins", ("open",), "writes files"),
-    ("runpy", ("run_module", "run_path"), "evaluates code"),
-    ("importlib", ("import_module",), "evaluates code"),
-    ("timeit", ("timeit", "repeat"), "evaluates code"),
-    ("code", ("interact", "compile_command"), "evaluates code"),
-    ("os", ("remove", "unlink", "rmdir", "removedirs", "truncate", "rename", "replace"), "deletes files"),
-    ("shutil", ("rmtree", "move"), "deletes files"),
-)
+# what the refusal of an unsafe tool says after naming it (lightning_rl.step.unsafe)
+UNSAFE_TOOL = ("a model that calls it does so on the training machine, with the run's permissions. Run "
+               "model-written code in the sandbox tool `lightning_rl.sandbox:python`, or set "
+               "`model.episodes.allow_unsafe_tools: true` if you mean it")
 
 
 # ------------------------------------------------------------------------------------------ records
@@ -96,19 +82,6 @@ class ToolResult:
     timed_out: bool = False  # the call did not come back within the timeout (its worker was killed)
 
 
-def unsafe(fn: Any) -> tuple[str, str] | None:
-    """``(qualified name, what it does)`` when ``fn`` is one of the ``UNSAFE`` standard-library functions,
-    whatever name it was imported under (``posix:system`` is ``os.system``)."""
-    for module_name, names, does in UNSAFE:
-        module = sys.modules.get(module_name)  # `fn` comes from an imported module, so its own is imported
-        if module is None:
-            continue
-        for name in getattr(module, "__all__", ()) if names == ("*",) else names:
-            if getattr(module, name, None) is fn:
-                return f"{module_name}.{name}", does
-    return None
-
-
 def load_tools(paths: Sequence[str], allow_unsafe: bool = False) -> list[Tool]:
     """Import the tools named ``package.module:function`` (``package.module.function`` also accepted).
 
@@ -123,7 +96,8 @@ def load_tools(paths: Sequence[str], allow_unsafe: bool = False) -> list[Tool]:
     for path in paths:
         where = f"`model.episodes.tools` entry `{path}`"
         obj = import_tool(str(path), where)
-        refuse_unsafe(obj.fn if isinstance(obj, Tool) else obj, where, allow_unsafe)
+        if not allow_unsafe:
+            refuse_unsafe(obj.fn if isinstance(obj, Tool) else obj, where, UNSAFE_TOOL)
         try:
             tool = obj if isinstance(obj, Tool) else Tool.from_function(obj)
         except ValueError as err:
@@ -150,17 +124,6 @@ def import_tool(path: str, where: str) -> Any:
     if not isinstance(obj, Tool) and not callable(obj):
         raise ValueError(f"{where} is not callable")
     return obj
-
-
-def refuse_unsafe(fn: Any, where: str, allow_unsafe: bool) -> None:
-    """Raise ``ValueError`` naming ``where`` when ``fn`` runs commands, evaluates code or deletes files."""
-    found = None if allow_unsafe else unsafe(fn)
-    if found is not None:
-        name, does = found
-        raise ValueError(
-            f"{where} is `{name}`, which {does}: a model that calls it does so on the training machine, "
-            "with the run's permissions. Run model-written code in the sandbox tool "
-            "`lightning_rl.sandbox:python`, or set `model.episodes.allow_unsafe_tools: true` if you mean it")
 
 
 def unknown_tool(name: str, tools: Mapping[str, Tool]) -> ToolResult:
@@ -200,15 +163,34 @@ def as_text(value: Any) -> str:
 
 
 def execute(tools: Mapping[str, Tool], call: ToolCall | ToolResult, timeout: float) -> ToolResult:
-    """Run one call, waiting at most ``timeout`` seconds; never raises.
+    """Run one call, waiting at most ``timeout`` seconds; never raises: :func:`execute_all` of one call."""
+    return execute_all(tools, [call], timeout)[0]
 
-    An isolated tool runs in a worker process (``lightning_rl.step.workers.WORKERS``); a call past ``timeout``
-    kills its worker (the next call gets a new one) and answers ``timed_out=True``. A tool that is not
-    isolated (``calculator``) runs in this thread, without a timeout. An unknown tool, arguments that do not
-    bind to the signature, an exception in the tool, a tool that ends its worker, or a timeout give
-    ``ToolResult(error=True)`` with a short message naming the tool. A ``ToolResult`` (a call that could not
-    be parsed) is returned as is. Results longer than ``MAX_RESULT_CHARS`` are cut.
+
+def execute_all(tools: Mapping[str, Tool], calls: Sequence[ToolCall | ToolResult],
+                timeout: float) -> list[ToolResult]:
+    """Run a turn's calls at once, all within one deadline ``timeout`` seconds away; results in call order;
+    never raises.
+
+    Isolated tools each run in a worker process (``lightning_rl.step.workers.WORKERS``), all sent before any
+    is waited for (:func:`lightning_rl.step.rewards.run_all`), so a turn whose calls all hang costs one
+    ``timeout``, not one per call; a call not back by the deadline has its worker killed (the next call gets
+    a new one) and answers ``timed_out=True``. Tools that are not isolated (``calculator``, the sandbox tool:
+    bounded by their own limits) run in this thread, in order, while the workers run. An unknown tool,
+    arguments that do not bind to the signature, an exception in the tool, a tool that ends its worker, or a
+    timeout give ``ToolResult(error=True)`` with a short message naming the tool. A ``ToolResult`` (a call
+    that could not be parsed) is returned as is. Results longer than ``MAX_RESULT_CHARS`` are cut.
     """
+    prepared = [prepare(tools, call) for call in calls]
+    jobs = [p for p in prepared if isinstance(p, Job)]
+    outcomes = iter(run_all(jobs, timeout))
+    return [p if isinstance(p, ToolResult) else outcome_result(call.name, p, next(outcomes), timeout)
+            for call, p in zip(calls, prepared, strict=True)]
+
+
+def prepare(tools: Mapping[str, Tool], call: ToolCall | ToolResult) -> ToolResult | Job:
+    """The job that runs ``call`` (in a worker when its tool is isolated, else in this thread), or the
+    error result of a call that cannot run (unparsed, unknown tool, arguments that do not bind)."""
     if isinstance(call, ToolResult):
         return call
     tool = tools.get(call.name)
@@ -218,24 +200,21 @@ def execute(tools: Mapping[str, Tool], call: ToolCall | ToolResult, timeout: flo
         bound = bind(tool, call.arguments)
     except TypeError as err:
         return ToolResult(call.name, f"bad arguments for {call.name}: {err}", error=True)
-    if not tool.isolated:
-        try:
-            value = tool.fn(*bound.args, **bound.kwargs)
-        except Exception as err:  # noqa: BLE001 - the model sees the error
-            return ToolResult(call.name, f"{call.name} raised {describe(err)}", error=True)
-        return as_result(call.name, result_text(value))
-    try:
-        text = WORKERS.call(tool.fn, bound.args, bound.kwargs, timeout, post=result_text)
-    except CallTimedOut:
-        return ToolResult(call.name, f"{call.name} timed out after {float(timeout)} s", error=True,
-                          timed_out=True)
-    except CallRaised as err:
-        return ToolResult(call.name, f"{call.name} raised {describe(err)}", error=True)
-    except WorkerDied as err:  # e.g. the tool called os._exit, or was killed by the OOM killer
-        return ToolResult(call.name, f"{call.name} {err}", error=True)
-    except Exception as err:  # noqa: BLE001 - arguments that cannot be sent
-        return ToolResult(call.name, f"{call.name} could not be called: {describe(err)}", error=True)
-    return as_result(call.name, text)
+    return Job(tool.fn, bound.kwargs, "process" if tool.isolated else "inline", result_text, bound.args)
+
+
+def outcome_result(name: str, job: Job, outcome: Outcome, timeout: float) -> ToolResult:
+    """The result the model reads for one call's outcome."""
+    if outcome.timed_out:
+        return ToolResult(name, f"{name} timed out after {float(timeout)} s", error=True, timed_out=True)
+    err = outcome.error
+    if err is None:
+        return as_result(name, outcome.value)
+    if isinstance(err, WorkerDied):  # e.g. the tool called os._exit, or was killed by the OOM killer
+        return ToolResult(name, f"{name} {err}", error=True)
+    if isinstance(err, CallRaised) or job.where == "inline":
+        return ToolResult(name, f"{name} raised {describe(err)}", error=True)
+    return ToolResult(name, f"{name} could not be called: {describe(err)}", error=True)  # unpicklable args
 
 
 def result_text(value: Any) -> tuple[bool, str]:

@@ -110,7 +110,7 @@ class RewardScorer:
             raise ValueError(f"`model.rewards.isolate` names {', '.join(map(repr, unknown))}, which "
                              f"`model.rewards.functions` does not list ({', '.join(fns)})")
         self.names = list(fns)
-        self.fns = [import_reward(f) for f in fns]
+        self.fns = [import_reward(f, f"model.rewards.functions[{i}]") for i, f in enumerate(fns)]
         self.weights = list(weights) if weights is not None else [1.0] * len(fns)
         self.on_error, self.max_error_frac, self.timeout = on_error, max_error_frac, timeout
         self.where = [self.placement(n, fn, isolate) for n, fn in zip(self.names, self.fns, strict=True)]

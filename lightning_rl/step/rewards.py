@@ -2,10 +2,12 @@
 
 A reward function is named in YAML by import path (``package.module:function``) and called as
 ``fn(prompts=[...], completions=[...], **columns)``, where ``columns`` holds every other dataset
-column as a list aligned with the completions. It returns one float per completion. The weighted sum of
-several, with its errors, is :mod:`lightning_rl.step.reward_scorer` (the functions of a batch run at once:
-:func:`run_all`); the rewards stage of the online step
-(reward model, overlong shaping, correctness) is :mod:`lightning_rl.step.reward_pipeline`.
+column as a list aligned with the completions. It returns one float per completion. Standard-library
+functions that run commands, evaluate code or delete files are refused by name (the rule tools follow too:
+:mod:`lightning_rl.step.unsafe`). The weighted sum of several, with its errors, is
+:mod:`lightning_rl.step.reward_scorer` (the functions of a batch run at once under one deadline:
+:func:`run_all`, which also runs a turn's tool calls); the rewards stage of the online step (reward model,
+overlong shaping, correctness) is :mod:`lightning_rl.step.reward_pipeline`.
 """
 
 from __future__ import annotations
@@ -22,22 +24,43 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from lightning_rl import moved_hint, split_import_path
-from lightning_rl.step.workers import WORKERS, CallRaised, CallTimedOut, Worker, WorkerDied, awaited
+from lightning_rl.step.unsafe import refuse_unsafe
+from lightning_rl.step.workers import WORKERS, CallTimedOut, Worker, awaited
 
 RewardFn = Callable[..., Sequence[float]]
 
 
-def import_reward(path: str) -> RewardFn:
-    """Import ``package.module:function`` (``package.module.function`` also accepted)."""
+# what the refusal of an unsafe reward function says after naming it (lightning_rl.step.unsafe)
+UNSAFE_REWARD = ("a reward function is called with the data's columns as keyword arguments, so it would act "
+                 "on what a column holds (`os.system(command=...)`) on the training machine, with the run's "
+                 "permissions, and no such function returns one score per completion. Score model-written "
+                 "code with `lightning_rl.sandbox:code_tests`, or call it from a reward function of your own "
+                 "if you mean it")
+
+
+def import_reward(path: str, key: str | None = None) -> RewardFn:
+    """Import ``package.module:function`` (``package.module.function`` also accepted).
+
+    Args:
+        path: the import path, as written in YAML.
+        key: the YAML key it was given under (``model.rewards.functions[0]``), named in errors.
+
+    Raises:
+        ValueError: naming the entry (and ``key``): bad format, module or attribute not found, not callable,
+            or a standard-library function that runs commands, evaluates code or deletes files
+            (:mod:`lightning_rl.step.unsafe`; refused always: no such function is a reward function).
+    """
+    where = f"reward function `{path}`" + (f" (`{key}`)" if key else "")
     module_name, attr = split_import_path(path)
     if not module_name or not attr:
-        raise ValueError(f"reward function `{path}` must look like `package.module:function`")
+        raise ValueError(f"{where} must look like `package.module:function`")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
-        raise ValueError(f"cannot import reward function `{path}`: {err}{moved_hint(module_name)}") from err
+        raise ValueError(f"cannot import {where}: {err}{moved_hint(module_name)}") from err
     if not callable(fn):
-        raise ValueError(f"reward function `{path}` is not callable")
+        raise ValueError(f"{where} is not callable")
+    refuse_unsafe(fn, where, UNSAFE_REWARD)
     return fn
 
 
@@ -54,17 +77,18 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Job:
-    """``fn(**kwargs)`` run ``inline``, in a ``thread`` (a coroutine function is awaited in its own event
-    loop there) or in a ``process`` worker; ``post`` is applied to the value (in the worker)."""
+    """``fn(*args, **kwargs)`` run ``inline``, in a ``thread`` (a coroutine function is awaited in its own
+    event loop there) or in a ``process`` worker; ``post`` is applied to the value (in the worker)."""
 
     fn: Callable[..., Any]
     kwargs: dict[str, Any]
     where: Literal["inline", "thread", "process"] = "thread"
     post: Callable[[Any], Any] | None = None
+    args: tuple[Any, ...] = ()  # positional arguments (a tool's positional-only parameters)
 
 
 def _call(job: Job, timeout: float | None) -> Any:
-    value = job.fn(**job.kwargs)
+    value = job.fn(*job.args, **job.kwargs)
     if inspect.isawaitable(value):
         try:
             value = asyncio.run(asyncio.wait_for(awaited(value), timeout))
@@ -119,7 +143,7 @@ def run_all(jobs: Sequence[Job], timeout: float | None) -> list[Outcome]:
 def _send(job: Job) -> Worker | Exception:
     """The worker the job was sent to, or why it could not be (arguments that do not pickle)."""
     try:
-        return WORKERS.start(job.fn, (), job.kwargs, job.post)
+        return WORKERS.start(job.fn, job.args, job.kwargs, job.post)
     except Exception as err:  # noqa: BLE001 - reported as the job's error
         return err
 
@@ -132,7 +156,7 @@ def _process_outcome(worker: Worker | Exception, left: float | None, timeout: fl
         return Outcome(value=WORKERS.finish(worker, left), seconds=time.perf_counter() - start)
     except CallTimedOut:
         return Outcome(timed_out=True, seconds=float(timeout or 0.0))
-    except (CallRaised, WorkerDied) as err:
+    except Exception as err:  # noqa: BLE001 - CallRaised, WorkerDied, a reply that cannot be read: reported
         return Outcome(error=err, seconds=time.perf_counter() - start)
 
 

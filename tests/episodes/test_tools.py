@@ -18,6 +18,8 @@ from typing import Literal, Optional
 
 import pytest
 
+from lightning_rl.episodes.environments import Episode
+from lightning_rl.episodes.runner import EpisodeRunner
 from lightning_rl.episodes.tool_formats import HermesFormat, PlainFormat, detect_format, tool_format
 from lightning_rl.episodes.tool_schemas import tool_schema
 from lightning_rl.episodes.tools import (
@@ -27,6 +29,7 @@ from lightning_rl.episodes.tools import (
     ToolResult,
     calculator,
     execute,
+    execute_all,
     load_tools,
 )
 from lightning_rl.models.builtin import build_char_tokenizer
@@ -449,6 +452,40 @@ def test_the_calculator_runs_in_process_without_a_worker():
     assert not TOOLS["calculator"].isolated and TOOLS["sqrt"].isolated
     assert execute(TOOLS, ToolCall("calculator", {"expression": "6*7"}), 1.0).content == "42"
     assert WORKERS.started == started
+
+
+def test_a_turns_calls_run_at_once_under_one_deadline():
+    """A turn with three calls that each sleep past `tool_timeout` (1 s) costs about one timeout, not three:
+    the calls are all sent to workers before any is waited for, under one deadline. Each late call answers
+    its own timeout error with its worker killed; the quick calls between them answer; results stay in call
+    order. (One after another, the turn took 3 s.)"""
+    tools, tokenizer = list(TOOLS.values()), build_char_tokenizer()
+    runner = EpisodeRunner(None, tools, PlainFormat(), tokenizer, tool_timeout=1.0)
+    execute(TOOLS, ToolCall("sqrt", {"x": 1}), 2.0)  # an idle worker exists, as mid-run
+    episode, timeouts = Episode({"prompt": "p"}, None, 0), WORKERS.timeouts
+    text = ("<tool>sleepy(60)</tool><tool>sqrt(16)</tool><tool>sleepy(60)</tool>"
+            "<tool>calculator('6*7')</tool><tool>sleepy(60)</tool>")
+    start = time.perf_counter()
+    role, observation = runner.answer(episode, text)
+    elapsed = time.perf_counter() - start
+    late = "<result>error: sleepy timed out after 1.0 s</result>"
+    assert (role, observation) == ("tool", f"{late}<result>4.0</result>{late}<result>42</result>{late}")
+    assert (episode.tool_calls, episode.tool_errors, episode.tool_timeouts) == (5, 3, 3)
+    assert WORKERS.timeouts - timeouts == 3
+    assert elapsed < 2 * runner.tool_timeout, elapsed  # one deadline (+ forks and kills), not 3 x 1 s
+
+
+def test_execute_all_passes_unparsed_calls_and_bad_arguments_through_in_order():
+    unparsed = ToolResult("", "could not parse tool call `x`: expected NAME(ARGS)", True)
+    calls = [ToolCall("boom", {}), unparsed, ToolCall("nope", {}), ToolCall("sqrt", {"y": 1}),
+             ToolCall("search", {"query": "q", "limit": 1})]
+    out = execute_all(TOOLS, calls, 2.0)
+    assert out[0] == ToolResult("boom", "boom raised RuntimeError: no luck", error=True)
+    assert out[1] is unparsed
+    assert out[2].error and out[2].content.startswith("unknown tool `nope`")
+    assert out[3].error and out[3].content.startswith("bad arguments for sqrt: ")
+    assert out[4] == ToolResult("search", '["q"]')
+    assert execute_all(TOOLS, [], 2.0) == []
 
 
 STUCK_SCRIPT = """

@@ -114,6 +114,48 @@ def test_import_reward_errors(path, match):
         import_reward(path)
 
 
+UNSAFE_ENTRIES = [
+    ("os:system", "os.system", "runs commands"), ("posix:system", "os.system", "runs commands"),
+    ("subprocess:run", "subprocess.run", "runs commands"),
+    ("builtins:eval", "builtins.eval", "evaluates code"), ("io:open", "builtins.open", "writes files"),
+    ("shutil.rmtree", "shutil.rmtree", "deletes files"), ("os:kill", "os.kill", "kills processes"),
+]
+
+
+@pytest.mark.parametrize("entry, name, does", UNSAFE_ENTRIES)
+def test_unsafe_reward_functions_are_refused_by_the_tools_rule_naming_key_and_entry(entry, name, does):
+    """`os:system` used to load as a reward function and was refused only for want of a `command` column
+    (`posix:system` needs the data column `command`): with one, it ran the column. It is refused for what it
+    is, by the rule that refuses it as a tool, in one line naming the YAML key and the entry as written."""
+    from lightning_rl.episodes.tools import load_tools
+
+    with pytest.raises(ValueError) as refused:
+        RewardScorer(["lightning_rl.step.rewards:exact_match", entry])
+    assert str(refused.value).startswith(
+        f"reward function `{entry}` (`model.rewards.functions[1]`) is `{name}`, which {does}: a reward "
+        "function is called with the data's columns as keyword arguments")
+    assert "\n" not in str(refused.value) and "`lightning_rl.sandbox:code_tests`" in str(refused.value)
+    tool = rf"^`model.episodes.tools` entry `{entry}` is `{name}`, which {does}: "
+    with pytest.raises(ValueError, match=tool):
+        load_tools([entry])  # the same rule
+
+
+@pytest.mark.parametrize("key", ["correctness_fn", "accuracy_fn"])
+def test_an_unsafe_correctness_or_accuracy_fn_is_refused_naming_its_key(key):
+    from lightning_rl.algorithms.assembly import reward_stages
+    from lightning_rl.algorithms.options import RewardOptions
+
+    with pytest.raises(ValueError, match=rf"^reward function `os:popen` \(`model.rewards.{key}`\) is "
+                                         r"`os.popen`, which runs commands: "):
+        reward_stages(RewardOptions(**{key: "os:popen"}), environment_only=False, budget=8, render=str,
+                      trust_remote_code=False)
+
+
+def test_lookalikes_and_own_functions_that_call_unsafe_ones_are_not_refused():
+    assert import_reward("shutil:which") is __import__("shutil").which  # reads, runs nothing
+    assert import_reward(f"{HERE}:half", "model.rewards.functions[0]") is half
+
+
 def test_moved_hint_names_the_layer_only_for_modules_of_the_flat_layout():
     from lightning_rl import moved_hint
 
