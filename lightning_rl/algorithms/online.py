@@ -94,6 +94,7 @@ class OnlineRL(ManualSteps, PolicyModule):
         self.reward_pipeline, self.correctness_fn = stages.pipeline, stages.correctness_fn
         self.accuracy_fn, self.accuracy_name = stages.accuracy_fn, stages.accuracy_name
         updater = assembly.update_stage(update)
+        self.policy.logprob_chunk, self.policy.packing = update.logprob_chunk, update.packing
         if sampling.max_staleness:  # the worker's weights are k steps old: its log-probs are the behaviour's
             self.engine.sample_ahead()
         resolve_behaviour(logprobs.behaviour, updater.updates_per_rollout, self.engine)  # fails early

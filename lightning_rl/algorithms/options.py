@@ -102,10 +102,16 @@ class SamplingOptions:
         seed: sampling is seeded by (this, step, round, rank): a resumed run samples the same.
         max_staleness: ``k`` >= 1: a worker samples step ``t``'s rollout with the weights of step ``t - k``
             while the learner trains (``lightning_rl.episodes.async_source``); 0: synchronous.
-        worker_threads: torch threads of that worker (a process).
-        worker: ``process`` (a forked process with its own threads), ``thread`` (a thread of the learner's
-            process with its own copy of the weights and CUDA stream) or ``auto``: a process on CPU, a thread
-            on GPUs.
+        worker_threads: torch intra-op threads of that worker when it is a process (forked from a fresh
+            thread, so parallel regions work there whatever the learner ran).
+        worker: ``process`` (a forked process with its own threads, killed when the learner's process ends),
+            ``thread`` (a thread of the learner's process with its own copy of the weights and CUDA stream;
+            transformers' ``generate``, which draws from the global RNG, is refused there) or ``auto``: a
+            process on CPU, a thread on GPUs.
+        worker_timeout: seconds the worker may go without reporting progress while the learner waits for it
+            (it reports each phase: waiting for weights, each generation call, rewards and tools, sending)
+            before the run stops naming it, its step and its phase; a slow step is fine, one phase (a
+            generation, a reward call) longer than this is a stall. ``null``: no limit.
     """
 
     num_generations: int = 8
@@ -118,6 +124,7 @@ class SamplingOptions:
     max_staleness: int = 0
     worker_threads: int = 1
     worker: str = "auto"
+    worker_timeout: float | None = 600.0
 
     def __post_init__(self) -> None:
         require("sampling", num_generations=(self.num_generations >= 1, self.num_generations, ">= 1"),
@@ -128,7 +135,9 @@ class SamplingOptions:
                 max_staleness=(self.max_staleness >= 0, self.max_staleness, ">= 0 (0: synchronous)"),
                 worker_threads=(self.worker_threads >= 1, self.worker_threads, ">= 1"),
                 worker=(self.worker in ("auto", "process", "thread"), self.worker,
-                        "one of auto, process, thread"))
+                        "one of auto, process, thread"),
+                worker_timeout=(self.worker_timeout is None or self.worker_timeout > 0, self.worker_timeout,
+                                "> 0 seconds, or null for no limit"))
 
 
 @dataclass(frozen=True)
@@ -332,16 +341,42 @@ class UpdateOptions:
         num_minibatches: optimiser steps per pass (each rank splits its rollout into this many).
         micro_batch_size: rows per forward / backward (``None``: a whole minibatch at once).
         max_grad_norm: gradient clipping by global norm (``None``: off).
+        micro_batch_tokens: a token budget per forward / backward instead of a row count: rows of like
+            lengths binned together, each micro-batch ``rows x (longest prompt + longest completion)``
+            tokens at most (a longer row alone); ``micro_batch_size`` then caps the rows. ``perf/pad_frac``
+            shows the padding left.
+        logprob_chunk: tokens per chunk of the output layer and softmax when scoring (the log-prob of the
+            sampled token and the entropy): the fp32 ``[tokens, vocabulary]`` logits are never all held at
+            once, each chunk's recomputed in the backward. Where the scorer runs the head on chosen
+            positions (``sampling.share_prompt_prefix`` on a Llama / Qwen / Mistral head); ``None``: all.
+        packing: score each micro-batch's rows as one sequence without padding (positions restarting at
+            each row, attention kept within rows by transformers' packed-sequence masks: eager / SDPA /
+            flex, FlashAttention's variable-length kernels); the same log-probs and gradients. Checked
+            before training: a model whose attention lets packed rows meet is refused in one line. Rows
+            with holes in their masks are scored padded. Takes the place of ``share_prompt_prefix``'s
+            prompt sharing in scoring.
+        skip_zero_rows: rows the loss cannot reach (zero advantage on every token without a KL or entropy
+            term in the loss, or no loss token) are not forwarded or backpropagated; the loss keeps its
+            normalisers, so the update is the same (``perf/skipped_rows_frac``; ``policy/*`` metrics are
+            then over the rows trained on).
     """
 
     epochs: int = 1
     num_minibatches: int = 1
     micro_batch_size: int | None = None
     max_grad_norm: float | None = 1.0
+    skip_zero_rows: bool = True
+    micro_batch_tokens: int | None = None
+    logprob_chunk: int | None = None
+    packing: bool = False
 
     def __post_init__(self) -> None:
         mbs, norm = self.micro_batch_size, self.max_grad_norm
         require("update", epochs=(self.epochs >= 1, self.epochs, ">= 1"),
                 num_minibatches=(self.num_minibatches >= 1, self.num_minibatches, ">= 1"),
                 micro_batch_size=(mbs is None or mbs >= 1, mbs, ">= 1 or null"),
+                micro_batch_tokens=(self.micro_batch_tokens is None or self.micro_batch_tokens >= 1,
+                                    self.micro_batch_tokens, ">= 1 or null"),
+                logprob_chunk=(self.logprob_chunk is None or self.logprob_chunk >= 1, self.logprob_chunk,
+                               ">= 1 or null"),
                 max_grad_norm=(norm is None or norm > 0, norm, "> 0 or null"))

@@ -96,6 +96,10 @@ class ManualSteps:
         self.policy.share_prompts = share
         if self._reference is not None:
             self._reference.share_prompts = share
+            self._reference.logprob_chunk = self.policy.logprob_chunk
+            self._reference.packing = self.policy.packing
+        if self.policy.packing:
+            self.policy.check_packing()  # every rank at once, before the first step
             self._reference.to(self.device)
         if self.reward_pipeline.reward_model is not None:
             self.reward_pipeline.reward_model.to(self.device)

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
+from lightning_rl.models.heads import head_logprobs, scatter_rows
 from lightning_rl.models.model_utils import (
     base_model,
     cache_argument,
@@ -24,6 +23,7 @@ from lightning_rl.models.model_utils import (
     position_ids,
     returned_cache,
 )
+from lightning_rl.models.packing import packable, packed_logprobs, probe_rows, refuse_crossing
 
 
 def _completion_logits(
@@ -119,33 +119,9 @@ def _valid_position_logprobs(
                   **{cache_argument(decoder): cache})
     hidden = torch.cat([last, out.last_hidden_state[:, :-1]], dim=1)  # the states predicting each token
     valid = completion_mask.bool()
-    scored = partial(_head_logprobs, head, temperature=temperature, top_k=top_k, top_p=top_p,
-                     with_entropy=with_entropy)
-    states, targets = hidden[valid], completion_ids[valid]
-    if chunk is None or len(states) <= chunk:
-        parts = [scored(states, targets)]
-    else:  # one chunk's [chunk, V] logits at a time, recomputed in the backward instead of kept for it
-        grad = torch.is_grad_enabled() and (states.requires_grad or head.weight.requires_grad)
-        parts = [checkpoint(scored, h, t, use_reentrant=False) if grad else scored(h, t)
-                 for h, t in zip(states.split(chunk), targets.split(chunk), strict=True)]
-    logp = hidden.new_zeros(valid.shape, dtype=torch.float32).masked_scatter(
-        valid, torch.cat([part[0] for part in parts]))
-    if not with_entropy:
-        return logp, None
-    return logp, torch.zeros_like(logp).masked_scatter(valid, torch.cat([part[1] for part in parts]))
-
-
-def _head_logprobs(head: nn.Linear, states: Tensor, targets: Tensor, *, temperature: float, top_k: int,
-                   top_p: float, with_entropy: bool) -> tuple[Tensor, Tensor]:
-    """Log-probs of ``targets`` (and the entropy, else an empty tensor) from hidden ``states`` ``[M, H]``."""
-    logits = head(states).float() / temperature
-    if top_k > 0 or top_p < 1.0:
-        logits = filter_logits(logits, top_k, top_p)
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    if not with_entropy:
-        return logp, logp.new_empty(0)
-    return logp, -(logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)
+    logp, entropy = head_logprobs(head, hidden[valid], completion_ids[valid], temperature=temperature,
+                                  top_k=top_k, top_p=top_p, with_entropy=with_entropy, chunk=chunk)
+    return scatter_rows(valid, logp), None if entropy is None else scatter_rows(valid, entropy)
 
 
 def _all_completion_logits(
@@ -187,7 +163,8 @@ class TokenScorer(nn.Module):
     """
 
     share_prompts: bool = False
-    logprob_chunk: int | None = None  # tokens per chunk of the output layer (prompt-sharing path), None: all
+    logprob_chunk: int | None = None  # tokens per chunk of the output layer where it runs apart, None: all
+    packing: bool = False  # rows packed into one sequence (lightning_rl.models.packing); before share_prompts
 
     def _scoring(self) -> tuple[nn.Module, AbstractContextManager]:
         raise NotImplementedError
@@ -218,6 +195,11 @@ class TokenScorer(nn.Module):
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 to score tokens, got {temperature}")
         model, context = self._scoring()
+        if self.packing and packable(prompt_mask, completion_mask):
+            with context:
+                return packed_logprobs(model, split_head(model), prompt_ids, prompt_mask, completion_ids,
+                                       completion_mask, temperature=temperature, top_k=top_k, top_p=top_p,
+                                       with_entropy=with_entropy, chunk=self.logprob_chunk)
         split = split_head(model) if self.share_prompts else None
         if split is not None:
             with context:
@@ -229,6 +211,17 @@ class TokenScorer(nn.Module):
                                             self.share_prompts)
         return _logprobs_from_logits(logits, completion_ids, completion_mask, temperature, top_k, top_p,
                                      with_entropy)
+
+    def check_packing(self) -> None:
+        """Refuse ``packing`` (one line) where this model's packed log-probs are not its padded ones: every
+        rank runs the same two-row probe at once (under sharded weights its forwards are collectives)."""
+        model, context = self._scoring()
+        rows = probe_rows(model)
+        with context, torch.no_grad():
+            padded, _ = _logprobs_from_logits(_completion_logits(model, *rows), rows[2], rows[3], 1.0, 0, 1.0,
+                                              False)
+            packed, _ = packed_logprobs(model, split_head(model), *rows, temperature=1.0)
+        refuse_crossing(model, padded, packed)
 
     def forward(self, *args: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
         """Same as ``token_logprobs``, so that DDP / FSDP wrappers route through it."""
