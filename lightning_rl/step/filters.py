@@ -83,3 +83,23 @@ class DynamicSampling(RolloutFilter):
         stats["rollout/filtered_group_frac"] = 1.0 - sum(len(k) for k in kept) / size / generated
         stats["rollout/gen_batches"] = float(rounds)
         return out, stats
+
+
+class DropUniformGroups(RolloutFilter):
+    """The peers' way to spend no compute on groups without signal (prime-rl, open-instruct): drop the groups
+    whose rewards are all equal (their group-relative advantage is zero), with no refill.
+
+    Unlike the updater's exact skipping (``model.update.skip_zero_rows``, the default), this **changes the
+    loss**: the dropped rows leave the normalisers (``token-mean``'s token count, the sequence means' row
+    count), so each remaining token weighs more, and a KL or entropy term no longer reaches the dropped
+    rows. Named in YAML under ``model.filters.extra`` (``class_path:
+    lightning_rl.step.filters.DropUniformGroups``). Logs ``rollout/dropped_uniform_group_frac``; a rank left
+    without rows joins the update with empty micro-batches.
+    """
+
+    def __call__(self, rollout: Rollout, refill: Refill,
+                 collectives: Collectives) -> tuple[Rollout, dict[str, float]]:
+        size = group_size(rollout)
+        keep = group_spread(rollout.rewards, size)
+        dropped = 1.0 - float(keep.float().mean()) if len(keep) else 0.0
+        return rollout.select(keep.repeat_interleave(size)), {"rollout/dropped_uniform_group_frac": dropped}

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "algorithms"))
 from test_online_rl import AGGS, grads, max_diff, norm, prepare_rollout, probe  # noqa: E402
 
 from lightning_rl.algorithms import OnlineRL  # noqa: E402
+from lightning_rl.step.filters import DropUniformGroups  # noqa: E402
 from lightning_rl.step.rollout import Rollout  # noqa: E402
 from lightning_rl.step.update import policy_rows, token_bins  # noqa: E402
 
@@ -152,3 +153,32 @@ def test_a_token_budget_makes_the_same_gradient_with_less_padding(tmp_path):
         assert scale > 1e-2 and diff < 1e-6, (mode, diff)
         assert micros > 1  # the budget split the 14 rows with a loss token
         assert pad_binned < pad_whole, mode
+
+
+# ------------------------------------------------------------------ the peers' variant: dropping groups
+def test_drop_uniform_groups_drops_groups_of_equal_rewards_without_refill():
+    r = rollout_of([[1]] * 6, [[1, 1]] * 6, [0.0] * 6)
+    r = dataclasses.replace(r, rewards=torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5]),
+                            group_ids=torch.arange(3).repeat_interleave(2))
+    out, stats = DropUniformGroups()(r, refill=None, collectives=None)
+    assert out.rewards.tolist() == [0.0, 1.0]  # only the middle group's rewards differ
+    assert stats == {"rollout/dropped_uniform_group_frac": pytest.approx(2 / 3)}
+
+
+@pytest.mark.slow
+def test_dropping_groups_changes_the_loss_where_skipping_does_not(tmp_path):
+    """The control for the exact skip: removing the rows changes token-mean's normaliser (and so the
+    gradient), as the peers' filter does."""
+    module = make(OnlineRL, objective={"kl_coef": 0.0}, update={"max_grad_norm": None},
+                  optimizer=partial(torch.optim.SGD, lr=0.0))
+
+    def experiment(trainer, module):
+        rollout = prepare_rollout(module, trainer)
+        rollout.advantages[4:12] = 0.0
+        full, _, _ = skipping_grads(module, rollout, True, None, "token-mean")
+        dropped = rollout.select(torch.cat([torch.arange(4), torch.arange(12, 16)]))
+        fewer, _, _ = skipping_grads(module, dropped, True, None, "token-mean")
+        return max_diff(full, fewer), norm(full)
+
+    diff, scale = probe(module, experiment, tmp_path)
+    assert scale > 1e-2 and diff > 1e-3 * scale
