@@ -197,3 +197,15 @@ def test_progress_bar_and_logs_count_optimiser_steps(tmp_path):
     logged = scalars(tmp_path)
     assert [s for s, _ in logged["rollout/reward_mean"]] == [2, 4]
     assert [s for s, _ in logged["val/accuracy"]] == [2, 4]
+
+
+def test_the_packed_overlay_trains_through_the_cli_and_logs_what_it_saved(tmp_path):
+    """configs/packed.yaml over configs/grpo.yaml: packing, token-budget micro-batches and chunked log-probs
+    run through `fit` (the packing check passed before the first step); the padding left and the rows
+    skipped are logged."""
+    fit(tmp_path, "--config", CONFIGS / "packed.yaml", "--trainer.max_steps", "3",
+        "--trainer.log_every_n_steps", "1", "--model.init_args.update.micro_batch_tokens", "24")
+    logged = scalars(tmp_path)
+    assert len(logged["perf/pad_frac"]) == 3 and len(logged["perf/skipped_rows_frac"]) == 3
+    assert all(0 <= value < 1 for _, value in logged["perf/pad_frac"] + logged["perf/skipped_rows_frac"])
+    assert len(logged["policy/grad_norm"]) == 3
