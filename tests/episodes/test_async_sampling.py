@@ -92,10 +92,11 @@ class StampingEngine(HFEngine):
 
 def fit(module, steps: int, callbacks=()) -> L.Trainer:
     """``steps`` steps of ``module``; its exported policy goes to a temporary folder, not the working one."""
-    trainer = L.Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        limit_val_batches=0, accelerator="cpu", callbacks=list(callbacks),
-                        default_root_dir=tempfile.mkdtemp(prefix="lrl-async-fit-"))
-    trainer.fit(module, datamodule=datamodule())
+    with tempfile.TemporaryDirectory(prefix="lrl-async-fit-") as root:
+        trainer = L.Trainer(max_steps=steps, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, limit_val_batches=0, accelerator="cpu",
+                            callbacks=list(callbacks), default_root_dir=root)
+        trainer.fit(module, datamodule=datamodule())
     return trainer
 
 
