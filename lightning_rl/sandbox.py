@@ -3,59 +3,69 @@
 
 The code runs in a child interpreter (:mod:`lightning_rl.sandbox_child` run as ``python -I -S``: the
 standard library only) in a fresh temporary folder, removed afterwards, with only ``PATH``, ``HOME`` (the
-folder) and ``LANG`` in its environment. What contains what:
+folder) and ``LANG`` in its environment; stdin carries only the ``stdin`` given. What contains what (the
+README's containment table says the same, with where each layer may be missing):
 
-- kernel limits (``setrlimit``): CPU seconds, address space, the size of any file written (stdout and
-  stderr included, so a flood of output stops too).
-- a wall-clock timeout: the process group is killed (``SIGKILL``), and every process of the run's cgroup
-  where there is one (a child that left the group with ``setsid`` too; without a cgroup it survives).
-- processes: a fresh cgroup with ``pids.max`` where one can be made (root, cgroup v1 ``pids`` or a
-  writable v2 hierarchy); else, for a user who is not root, ``RLIMIT_NPROC`` set to the processes the user
-  already runs plus ``max_processes`` (the kernel counts the user's processes, not the run's); root
-  without a cgroup has only the audit hook (the kernel ignores ``RLIMIT_NPROC`` for root).
-- network: a new network namespace, in which no interface is up (``unshare(CLONE_NEWNET)`` as root,
-  ``CLONE_NEWUSER|CLONE_NEWNET`` otherwise); where the kernel refuses both, only the audit hook refuses
-  sockets. ``SandboxResult.network`` and ``.processes`` say which layer a run had.
-- an audit hook (``sys.addaudithook``) refuses sockets, ``os.system``, ``subprocess``, ``exec``/``spawn``/
-  ``fork``, signals, ``ctypes``, native modules from outside the standard library, writing, renaming or
-  removing outside the folder, and reading outside the folder, the standard library and a few devices.
-  It is a Python-level layer, not a kernel boundary (Python's documentation says as much).
+- an unprivileged user: as root the child drops to ``nobody`` (the folder is given to it); a user who is
+  not root stays itself (:mod:`lightning_rl.sandbox_kernel`).
+- namespaces: user, PID (a fresh ``/proc`` listing only the run's processes), mount, network (no device
+  up), IPC and UTS; killing the PID namespace's first process ends every process in it.
+- Landlock: the interpreter's library and a few devices read-only, the folder read-write, nothing
+  executable, no TCP, no signals or abstract unix sockets out of the run; ``no_new_privs``; no capabilities.
+- seccomp: no ptrace, namespaces, mounts, keyrings, BPF, perf, io_uring, modules, kexec, file handles, no
+  socket but ``AF_UNIX``, ``clone3`` answered ENOSYS so that ``clone``'s flags can be checked.
+- resource limits (``setrlimit``): CPU seconds, address space, the size of any file written (stdout and
+  stderr included); processes: a fresh cgroup with ``pids.max`` where one can be made (root, cgroup v1
+  ``pids`` or a writable v2 hierarchy), else ``RLIMIT_NPROC`` (counted in the run's user namespace).
+- a wall-clock timeout: the process group is killed (``SIGKILL``), with it the PID namespace, and every
+  process of the run's cgroup (:mod:`lightning_rl.sandbox_processes`).
+- an audit hook (:mod:`lightning_rl.sandbox_hook`, ``audit=True``), an extra layer in Python that refuses
+  shelling out, forks, sockets, ``ctypes``, reads and writes outside the folder; immune to rebinding.
 
-Not contained by the kernel: the child runs as the caller's user (as root here), so only the hook (and file
-permissions, for a user who is not root) keeps writes outside the folder; the disk space of many files
-under the size limit is bounded only by time; the run shares the machine's CPUs and disk bandwidth.
+``SandboxResult.layers`` says which layers a run had. Where a kernel layer cannot be had, ``run_python``
+refuses (``SandboxUnavailable``, naming the layer) unless ``containment="weak"`` or the environment variable
+``LIGHTNING_RL_SANDBOX=weak`` accepts less; ``SandboxResult.missing`` then says what was missing.
+Not contained: disk space of many files under the size limit (bounded by time only), the machine's CPUs
+and disk bandwidth, connecting to unix sockets outside the folder whose path it knows (Landlock ABI 7 does
+not cover them; the mount namespace still shows the host's files). Not available inside: ``multiprocessing``
+locks (``/dev/shm`` is not in the view), executing any program.
 """
 
 from __future__ import annotations
 
-import ast
-import contextlib
-import json
 import os
-import re
-import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_rl.sandbox_child import NETNS_NOTE
+from lightning_rl.sandbox_processes import (
+    kill_all,
+    make_cgroup,
+    remove_cgroup,
+    user_processes,
+    wait_gone,
+    wait_unreaped,
+)
 
 CHILD = str(Path(__file__).with_name("sandbox_child.py"))  # run as a script: imports nothing of ours
-CGROUP_ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")
+CONTAINMENT_ENV, CONTAINMENTS = "LIGHTNING_RL_SANDBOX", ("strict", "weak")
+NOBODY = 65534  # the user root's sandbox runs as
+# layers the child is told not to set up: tests only (the refusal and the weak opt-in, on a real gap)
+DISABLED_LAYERS: frozenset[str] = frozenset()
 # the last stderr line of an error, and the limit it means (a signal, or an error the limit raises)
 LIMIT_ERRORS = (("MemoryError", "memory"), ("File too large", "file_size"),
-                ("Resource temporarily unavailable", "processes"), ("sandbox refused", "refused"))
-TEST_TIMEOUT = 5.0
-WORKERS = 4
+                ("Resource temporarily unavailable", "processes"), ("sandbox refused", "refused"),
+                ("PermissionError", "refused"))
+
+
+class SandboxUnavailable(RuntimeError):
+    """A kernel layer of the sandbox cannot be had here, and weaker containment was not accepted."""
 
 
 @dataclass(frozen=True)
@@ -67,11 +77,18 @@ class SandboxResult:
         exit_code: the child's exit status; ``-N`` when signal N ended it.
         timed_out: the wall-clock timeout ran out and the process group was killed.
         limit: what stopped it: ``timeout``, ``cpu``, ``memory``, ``file_size``, ``processes``, ``refused``
-            (the audit hook refused an operation), or None (exited by itself, maybe with an error).
+            (the audit hook refused an operation, or the kernel answered ``PermissionError``), or None
+            (exited by itself, maybe with an error).
         reason: the same in words, with the error line; ``""`` when it ran to a clean exit.
         wall_time: seconds from start to the end of the child.
-        network: ``namespace`` (no network device) or ``audit hook`` (sockets refused in Python only).
-        processes: ``cgroup`` (pids.max), ``rlimit`` (RLIMIT_NPROC) or ``audit hook`` (fork refused only).
+        network: ``namespace`` (no network device; seccomp also refuses sockets but ``AF_UNIX``),
+            ``seccomp`` (without the namespace), ``audit hook`` (sockets refused in Python only) or ``none``.
+        processes: ``cgroup`` (pids.max), ``rlimit`` (RLIMIT_NPROC), ``audit hook`` (fork refused only) or
+            ``none``.
+        layers: the layers the run had, name -> detail: ``rlimits``, ``processes``, ``user``, ``mounts``
+            (private folders covered for ``nobody``), ``namespaces``, ``proc``, ``no_new_privs``,
+            ``landlock`` (its ABI), ``capabilities``, ``seccomp``, ``audit``.
+        missing: the layers it lacked, name -> why (empty under ``strict`` containment, but for ``proc``).
     """
 
     stdout: str
@@ -83,6 +100,8 @@ class SandboxResult:
     wall_time: float
     network: str
     processes: str
+    layers: dict[str, str]
+    missing: dict[str, str]
 
     @property
     def ok(self) -> bool:
@@ -92,7 +111,7 @@ class SandboxResult:
 
 def run_python(code: str, *, timeout: float = 5.0, cpu_seconds: int | None = None, memory_mb: int = 512,
                file_size_mb: int = 16, max_processes: int = 16, output_limit: int = 10_000,
-               stdin: str = "", audit: bool = True) -> SandboxResult:
+               stdin: str = "", audit: bool = True, containment: str | None = None) -> SandboxResult:
     """Run ``code`` in a sandboxed child interpreter and wait for it, at most ``timeout`` seconds.
 
     Args:
@@ -101,19 +120,30 @@ def run_python(code: str, *, timeout: float = 5.0, cpu_seconds: int | None = Non
         cpu_seconds: CPU-time limit (``RLIMIT_CPU``); default ``int(timeout) + 2``, so the wall clock decides.
         memory_mb: address-space limit (``RLIMIT_AS``) of each process.
         file_size_mb: largest file any process may write (``RLIMIT_FSIZE``), stdout and stderr included.
-        max_processes: most processes at once (a cgroup's ``pids.max``, else ``RLIMIT_NPROC``, see above).
+        max_processes: most processes (threads count) the code runs at once, its own included (a cgroup's
+            ``pids.max``, else ``RLIMIT_NPROC``; the sandbox's own two processes come on top).
         output_limit: characters kept of stdout and of stderr.
         stdin: text the code reads on standard input.
         audit: install the audit hook (turn off only to test the kernel layers alone).
+        containment: ``strict`` (every kernel layer or ``SandboxUnavailable``) or ``weak`` (run with what
+            the kernel gives, reported in ``missing``); default: ``$LIGHTNING_RL_SANDBOX``, else ``strict``.
+
+    Raises:
+        SandboxUnavailable: under ``strict`` containment, where a kernel layer cannot be had.
     """
+    mode = containment_mode(containment)
     cpu = cpu_seconds if cpu_seconds is not None else int(timeout) + 2
     work, private = Path(tempfile.mkdtemp(prefix="lrl-sandbox-")), Path(tempfile.mkdtemp(prefix="lrl-out-"))
-    cgroup = make_cgroup(max_processes)
+    cgroup = make_cgroup(max_processes + 2)
     try:
         (work / "main.py").write_text(code)
-        nproc = "" if cgroup else user_processes() + max_processes
-        config = f"{cpu}\t{memory_mb << 20}\t{file_size_mb << 20}\t{nproc}\t{int(audit)}\t" + (
-            str(cgroup / "cgroup.procs") if cgroup else "")
+        uid = NOBODY if os.geteuid() == 0 else os.getuid()
+        for path in (work, work / "main.py") if uid != os.getuid() else ():
+            os.chown(path, uid, uid)  # the folder is the unprivileged user's
+        nproc = "" if cgroup else user_processes(uid) + max_processes + 2  # used without a user namespace
+        config = {"cpu": cpu, "memory": memory_mb << 20, "fsize": file_size_mb << 20, "nproc": nproc,
+                  "processes": max_processes, "cgroup": cgroup / "cgroup.procs" if cgroup else "",
+                  "audit": int(audit), "containment": mode, "disable": ",".join(sorted(DISABLED_LAYERS))}
         return supervise(config, work, private, timeout, output_limit, stdin, cgroup)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -122,49 +152,68 @@ def run_python(code: str, *, timeout: float = 5.0, cpu_seconds: int | None = Non
             remove_cgroup(cgroup)
 
 
-def supervise(config: str, work: Path, private: Path, timeout: float, output_limit: int,
+def containment_mode(containment: str | None) -> str:
+    """``containment``, else ``$LIGHTNING_RL_SANDBOX``, else ``strict``; an error naming where a bad value
+    came from."""
+    value = containment if containment is not None else os.environ.get(CONTAINMENT_ENV, "strict")
+    if value not in CONTAINMENTS:
+        where = f"{CONTAINMENT_ENV}={value!r}" if containment is None else f"containment={value!r}"
+        raise ValueError(f"{where}: the sandbox's containment is 'strict' (the default) or 'weak'")
+    return value
+
+
+def supervise(config: dict[str, Any], work: Path, private: Path, timeout: float, output_limit: int,
               stdin: str, cgroup: Path | None) -> SandboxResult:
     """Start the child in ``work``, wait at most ``timeout``, kill what is left, read its results."""
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(work), "LANG": "C.UTF-8"}
     start = time.monotonic()
-    (private / "in").write_text(config + "\n" + stdin)  # a file: a pipe could block on the child
+    (private / "in").write_text(stdin)  # a file: a pipe could block on the child
     with open(private / "in", "rb") as inp, open(private / "out", "wb") as out, \
-            open(private / "err", "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-I", "-S", CHILD], cwd=work, env=env, stdin=inp,
-                                stdout=out, stderr=err, start_new_session=True)
+            open(private / "err", "wb") as err, open(private / "report", "wb") as report:
+        argv = [f"{key}={value}" for key, value in config.items()] + [f"report={report.fileno()}"]
+        proc = subprocess.Popen([sys.executable, "-I", "-S", CHILD, *argv], cwd=work, env=env, stdin=inp,
+                                stdout=out, stderr=err, start_new_session=True, pass_fds=(report.fileno(),))
         timed_out = not wait_unreaped(proc.pid, start + timeout)
         kill_all(proc.pid, cgroup)  # the leader is not reaped yet, so its group id is still its own
         exit_code = proc.wait()
+    layers, missing, init = read_report(private / "report")
+    if init and exit_code < 0:
+        wait_gone(init)  # the PID namespace's first process: its end ends the namespace
+    if "refused" in missing:
+        raise SandboxUnavailable(unavailable(missing))
     wall = time.monotonic() - start
     stdout, stderr = (read_cut(private / name, output_limit) for name in ("out", "err"))
-    network = "namespace" if stderr.startswith(NETNS_NOTE) else "audit hook"
-    stderr = stderr.removeprefix(NETNS_NOTE)
     limit, reason = classify(exit_code, timed_out, stderr, timeout)
+    network = next((name for key, name in (("namespaces", "namespace"), ("seccomp", "seccomp"),
+                                           ("audit", "audit hook")) if key in layers), "none")
+    processes = layers.get("processes", "audit hook" if "audit" in layers else "none").split(" ")[0]
     return SandboxResult(stdout, stderr, exit_code, timed_out, limit, reason, wall, network,
-                         "cgroup" if cgroup else "rlimit" if os.geteuid() else "audit hook")
+                         {"RLIMIT_NPROC": "rlimit"}.get(processes, processes), layers, missing)
 
 
-def wait_unreaped(pid: int, deadline: float) -> bool:
-    """Wait until ``pid`` exits (left unreaped) or ``deadline`` passes; whether it exited."""
-    while time.monotonic() < deadline:
-        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-            return True
-        time.sleep(0.01)
-    return False
+def read_report(path: Path) -> tuple[dict[str, str], dict[str, str], int]:
+    """The child's report: the layers it had, those it lacked (``refused`` among them where it refused to
+    run the code), and the host pid of its PID namespace's first process (0: none)."""
+    layers, missing, init = {}, {}, 0
+    for line in path.read_text().splitlines():
+        kind, _, rest = line.partition("\t")
+        name, _, detail = rest.partition("\t")
+        if kind in ("layer", "missing"):
+            (layers if kind == "layer" else missing)[name] = detail
+        elif kind == "init":
+            init = int(name)
+        elif kind == "refused":
+            missing["refused"] = ""
+    return layers, missing, init
 
 
-def kill_all(pid: int, cgroup: Path | None) -> None:
-    """SIGKILL the process group ``pid`` and, until it is empty, every process in ``cgroup``."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-    for _ in range(100) if cgroup else ():
-        pids = [int(p) for p in (cgroup / "cgroup.procs").read_text().split() if int(p) != pid]
-        if not pids:
-            return
-        for p in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p, signal.SIGKILL)
-        time.sleep(0.01)
+def unavailable(missing: dict[str, str]) -> str:
+    """Why ``run_python`` refused, and how to opt into weaker containment."""
+    lacking = "; ".join(f"{name}: {why}" for name, why in missing.items() if name not in ("refused", "proc"))
+    return (f"the sandbox refuses to run model-written code without its kernel layers, and here it lacks "
+            f"{lacking}. To accept weaker containment (what was missing is then reported in "
+            f"SandboxResult.missing), pass run_python(..., containment='weak') or set {CONTAINMENT_ENV}=weak "
+            "(read by the tool lightning_rl.sandbox:python and the reward lightning_rl.sandbox:code_tests).")
 
 
 def read_cut(path: Path, limit: int) -> str:
@@ -191,44 +240,6 @@ def classify(exit_code: int, timed_out: bool, stderr: str, timeout: float) -> tu
     return None, ""
 
 
-# ------------------------------------------------------------------------------- processes: cgroup
-def make_cgroup(max_processes: int) -> Path | None:
-    """A fresh pids cgroup holding at most ``max_processes`` processes, or None where none can be made."""
-    for root in CGROUP_ROOTS:
-        path = Path(root) / f"lightning-rl-sandbox-{uuid.uuid4().hex[:12]}"
-        try:
-            path.mkdir()
-        except OSError:
-            continue
-        try:
-            (path / "pids.max").write_text(str(max_processes))
-            return path
-        except OSError:
-            remove_cgroup(path)
-    return None
-
-
-def remove_cgroup(path: Path) -> None:
-    """Remove an (empty) cgroup; its last processes may take a moment to be released."""
-    for _ in range(50):
-        try:
-            path.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.01)
-
-
-def user_processes() -> int:
-    """How many processes this user runs (``RLIMIT_NPROC`` counts them all, not only the child's)."""
-    count = 0
-    for p in Path("/proc").iterdir():
-        with contextlib.suppress(OSError):  # a process that ended meanwhile
-            count += p.name.isdigit() and p.stat().st_uid == os.getuid()
-    return count
-
-
 # ----------------------------------------------------------------------------- the tool and reward
 def python(code: str) -> str:
     """Run Python code in a sandbox and return what it prints.
@@ -246,59 +257,8 @@ def python(code: str) -> str:
     raise RuntimeError("\n".join(p.strip() for p in parts if p.strip()))  # the tool's caller: an error result
 
 
-def extract_code(completion: str) -> str:
-    """The last fenced ```python (or bare ```) block of a completion, else the whole text."""
-    blocks = re.findall(r"```(?:python|py)?[^\S\n]*\n(.*?)```", completion, flags=re.DOTALL)
-    return blocks[-1] if blocks else completion
-
-
-def split_tests(tests: str | Sequence[str]) -> list[str]:
-    """A row's test cases: a list of statements, or one string whose top-level statements are each one."""
-    if not isinstance(tests, str):
-        return [str(t) for t in tests]
-    try:
-        return [ast.get_source_segment(tests, node) or "" for node in ast.parse(tests).body]
-    except SyntaxError as err:
-        raise ValueError(f"code_tests: the `tests` column holds invalid Python: {err}") from err
-
-
-def code_tests(prompts: Sequence[Any], completions: Sequence[str], tests: Sequence[str | Sequence[str]],
-               **_: Any) -> list[float]:
-    """The fraction of each row's test cases (the ``tests`` column) its completion passes, in the sandbox.
-
-    The completion's code (see ``extract_code``) runs first, then each test case in the same namespace,
-    each in its own ``try`` so one failure does not stop the rest; all in one sandboxed process per
-    completion, ``TEST_TIMEOUT`` seconds in all (a timeout keeps the passes before it). A test passes when
-    it raises nothing. Passes are reported on stdout tagged with a random nonce the code is not given and
-    the harness's builtins are bound before it runs, so printing ``pass`` or replacing ``exec`` scores
-    nothing; but the nonce is in the process: code that walks frames (``sys._getframe(1).f_globals``)
-    can find it and forge passes. Nothing in one process can stop that without breaking ``namedtuple``.
-    """
-    rows = [split_tests(t) for t in tests]
-    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
-        return list(pool.map(score_one, [extract_code(c) for c in completions], rows))
-
-
-def score_one(code: str, tests: list[str]) -> float:
-    """The fraction of ``tests`` that pass after ``code`` (1.0 when there are no tests and it runs)."""
-    nonce = secrets.token_hex(16)
-    harness = {"code": code, "tests": tests, "nonce": nonce}
-    result = run_python(HARNESS, timeout=TEST_TIMEOUT, stdin=json.dumps(harness))
-    passed = len(re.findall(rf"^{nonce} pass$", result.stdout, flags=re.MULTILINE))
-    return passed / len(tests) if tests else float(result.ok)
-
-
-# the builtins it uses are bound before the completion runs, so that replacing `builtins.exec` passes nothing
-HARNESS = """\
-import json, sys
-_h, _exec, _compile, _out = json.loads(sys.stdin.readline()), exec, compile, sys.stdout
-_g = {"__name__": "__main__"}
-_exec(_compile(_h["code"], "<completion>", "exec"), _g)
-for _t in _h["tests"]:
-    try:
-        _exec(_compile(_t, "<test>", "exec"), _g)
-    except BaseException:
-        continue
-    _out.write("\\n" + _h["nonce"] + " pass\\n")
-    _out.flush()
-"""
+# the reward `code_tests` is judged in lightning_rl.code_judge (the expected values never enter the
+# completion's process, and the trainer decides on plain values); its names stay importable from here
+from lightning_rl.code_judge import code_tests as code_tests  # noqa: E402
+from lightning_rl.code_judge import extract_code as extract_code  # noqa: E402
+from lightning_rl.code_judge import split_tests as split_tests  # noqa: E402

@@ -24,7 +24,9 @@ CORE = sorted(
 # a limited child process) imports the standard library alone, the lowest level.
 LAYERS = ["text", "maths", "models", "step", "episodes", "algorithms", "cli"]
 LEVEL = {**{name: i for i, name in enumerate(LAYERS)}, "losses": LAYERS.index("maths"), "sandbox": 0,
-         "sandbox_child": 0}
+         **{f"sandbox_{part}": 0 for part in ("child", "kernel", "hook", "processes")},
+         **{f"code_judge{part}": 0  # the reward code_tests, beside the sandbox
+                                for part in ("", "_plan", "_harness", "_values", "_rewrite")}}
 # the Lightning plugins: only algorithms (default callbacks, the predict writer, the row locator) and the
 # CLI name them, inside functions, so that importing the core never imports them
 PLUGINS = {"data", "callbacks"}

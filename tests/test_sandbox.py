@@ -1,10 +1,13 @@
 """Tests for lightning_rl.sandbox: model-written code that loops, forks, hogs memory, writes 1 GB, writes
 outside its folder, opens a connection, shells out or looks for secrets is contained and reported, and the
-next run goes on; the ``python`` tool and the ``code_tests`` reward."""
+next run goes on; the layers a run had, the refusal where one is missing and the weak opt-in; the audit hook
+alone against rebinding; the ``python`` tool. The escapes, as root and as an unprivileged user, are in
+``test_sandbox_escapes.py``; the ``code_tests`` reward in ``test_code_judge.py``."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -15,10 +18,13 @@ import pytest
 
 from lightning_rl import sandbox
 from lightning_rl.episodes.tools import ToolCall, execute, load_tools
-from lightning_rl.sandbox import code_tests, extract_code, run_python, split_tests
+from lightning_rl.sandbox import SandboxUnavailable, run_python
+from lightning_rl.sandbox_processes import user_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 WHERE = "import os\nprint(os.getcwd(), flush=True)\n"  # each run names its folder on its first line
+KERNEL = {"user", "namespaces", "no_new_privs", "landlock", "capabilities", "seccomp", "processes", "rlimits"}
+SYSTEM_PYTHON = "/usr/bin/python3"  # one an unprivileged user can run (the test's may be under /root)
 
 
 def left_in(result) -> list[int]:
@@ -36,14 +42,42 @@ def left_in(result) -> list[int]:
     return found
 
 
-def test_a_clean_run_sees_a_minimal_environment_and_no_secrets(monkeypatch):
+def test_a_clean_run_sees_a_minimal_environment_and_reports_every_layer(monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_secret_123")
-    code = WHERE + ("print(sorted(os.environ))\n"
-                    "open(f'/proc/{os.getppid()}/environ').read()\n")
+    code = WHERE + "print(sorted(os.environ), os.getpid(), os.getppid())\n"
     result = run_python(code, timeout=5)
-    assert result.stdout.split("\n")[1] == "['HOME', 'LANG', 'PATH']"
-    assert "hf_secret_123" not in result.stdout + result.stderr
-    assert result.limit == "refused" and "environ" in result.reason and not result.ok
+    assert result.ok and result.stdout.split("\n")[1] == "['HOME', 'LANG', 'PATH'] 2 1"  # PID 2 of its own
+    assert KERNEL | {"proc", "audit"} <= set(result.layers) and result.missing == {}
+    assert result.layers["namespaces"] == "user pid mount net ipc uts" and result.network == "namespace"
+    assert int(result.layers["landlock"].split()[1].rstrip(":")) >= 1  # "ABI 7: files, tcp, ..."
+    if os.geteuid() == 0:
+        assert result.layers["user"] == "uid 65534 (nobody; the caller is root)"
+        assert result.processes == "cgroup" and result.layers["processes"] == "cgroup pids.max 18"
+
+
+def test_stdin_carries_only_the_code_input_even_rewound():
+    """The configuration comes in ``argv``: a rewound stdin holds only what the caller gave."""
+    code = "import os, sys\nprint(repr(sys.stdin.read()))\nos.lseek(0, 0, 0)\nprint(repr(sys.stdin.read()))\n"
+    assert run_python(code, stdin="abc\n").stdout == "'abc\\n'\n'abc\\n'\n"
+
+
+def test_exit_codes_and_signals_pass_through_the_namespace_init():
+    assert run_python("import sys\nsys.exit(7)").exit_code == 7
+    killed = run_python("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)", audit=False)
+    assert killed.exit_code == -15 and killed.reason == "exit code -15"
+
+
+def test_threads_and_the_standard_library_work_inside():
+    """Threads (``clone3`` answers ENOSYS, libc falls back to ``clone``), extension modules with their
+    shared libraries, time zones and a temporary file in the folder."""
+    code = ("import threading, ssl, sqlite3, hashlib, zlib, decimal, json, lzma, bz2, zoneinfo, tempfile\n"
+            "out = []\nthreads = [threading.Thread(target=out.append, args=(i,)) for i in range(4)]\n"
+            "[t.start() for t in threads]\n[t.join() for t in threads]\n"
+            "with tempfile.TemporaryFile() as f:\n    f.write(b'x')\n"
+            "print(sorted(out), hashlib.sha256(b'').hexdigest()[:8], zoneinfo.ZoneInfo('Europe/Paris'),\n"
+            "      sqlite3.connect(':memory:').execute('select 1 + 1').fetchone()[0], zlib.crc32(b'a'))\n")
+    result = run_python(code)
+    assert result.stdout == "[0, 1, 2, 3] e3b0c442 Europe/Paris 2 3904355907\n", result.stderr
 
 
 def test_an_infinite_loop_is_killed_at_the_wall_clock_timeout():
@@ -60,8 +94,8 @@ def test_a_fork_bomb_is_refused_by_the_audit_hook():
 
 
 def test_a_fork_bomb_without_the_audit_hook_is_capped_and_every_process_killed():
-    """The kernel layer alone: forks stop at ``max_processes``; children that left the process group with
-    ``setsid`` are killed too where there is a pids cgroup (as root here)."""
+    """The kernel layers alone: forks stop at ``max_processes`` (the code's own process and 7 forks);
+    children that left the process group with ``setsid`` end with the PID namespace."""
     code = WHERE + ("import time\nn = 0\n"
                     "for _ in range(200):\n"
                     "    try:\n"
@@ -75,10 +109,7 @@ def test_a_fork_bomb_without_the_audit_hook_is_capped_and_every_process_killed()
                     "        break\n"
                     "print(n, flush=True)\n")
     result = run_python(code, timeout=3, max_processes=8, audit=False)
-    lines = result.stdout.split("\n")
-    assert lines[1] == "[Errno 11] Resource temporarily unavailable" and int(lines[2]) <= 7
-    if result.processes != "cgroup":
-        pytest.skip("no pids cgroup here: children that call setsid outlive the group kill")
+    assert result.stdout.split("\n")[1:3] == ["[Errno 11] Resource temporarily unavailable", "7"]
     assert left_in(result) == []
 
 
@@ -106,6 +137,7 @@ def test_writes_outside_the_folder_are_refused(tmp_path):
               f"                lambda: os.mkdir({str(tmp_path / 'dir')!r})):\n"
               "    try:\n        attempt()\n    except PermissionError:\n        print('refused')\n")
     assert run_python(tricks).stdout == "refused\n" * 3
+    assert run_python(tricks, audit=False).stdout == "refused\n" * 3  # Landlock alone
     assert list(tmp_path.iterdir()) == []
 
 
@@ -124,7 +156,8 @@ def test_os_system_subprocess_ctypes_and_native_modules_are_refused(tmp_path):
     shell, ctypes, native = run_python(tricks).stdout.split("\n")[:3]
     assert (shell, ctypes) == ("sandbox refused subprocess.Popen", "sandbox refused ctypes.dlopen")
     assert native.startswith("sandbox refused loading the native module") and "lrl-sandbox-" in native
-    assert not touched.exists()
+    kernel = run_python(tricks, audit=False).stdout.split("\n")  # no exec anywhere: not even a shell
+    assert kernel[0] == "[Errno 13] Permission denied: 'touch'" and not touched.exists()
 
 
 def test_a_network_connection_fails_and_reaches_nothing():
@@ -137,14 +170,104 @@ def test_a_network_connection_fails_and_reaches_nothing():
         code = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
         refused = run_python(code)
         assert refused.limit == "refused" and "socket" in refused.reason
-        kernel = run_python(code, audit=False)  # the namespace alone
-        if kernel.network != "namespace":
-            pytest.skip("no network namespace here: only the audit hook refuses sockets")
-        assert kernel.limit is None and "Network is unreachable" in kernel.reason
+        kernel = run_python(code, audit=False)  # seccomp: no socket but AF_UNIX; no device in the namespace
+        assert kernel.limit == "refused" and kernel.reason.endswith("[Errno 1] Operation not permitted")
         with pytest.raises(BlockingIOError):
             server.accept()
     finally:
         server.close()
+
+
+# ------------------------------------------------------------------------- refusal and the weak opt-in
+def test_a_missing_layer_is_refused_by_default_and_reported_when_weak_is_accepted(monkeypatch):
+    """Landlock turned off in the child (as where the kernel has none): ``strict`` refuses before any
+    code runs, naming the layer and the opt-in; ``weak`` (argument or environment variable, which the
+    tool reads) runs without it, and the gap is real: a world-readable file outside is then readable."""
+    code = "print(open('/etc/passwd').read()[:5])"
+    assert run_python(code, audit=False).limit == "refused"  # with every layer: Landlock keeps it out
+    monkeypatch.setattr(sandbox, "DISABLED_LAYERS", frozenset({"landlock"}))
+    with pytest.raises(SandboxUnavailable, match=r"lacks landlock: turned off .*containment='weak'.*"
+                                                 r"LIGHTNING_RL_SANDBOX=weak"):
+        run_python(code, audit=False)
+    (tool,) = load_tools(["lightning_rl.sandbox:python"])
+    call = ToolCall("python", {"code": "print(6 * 7)"})
+    refused = execute({"python": tool}, call, timeout=10)
+    assert refused.error and "lacks landlock" in refused.content
+    weak = run_python(code, audit=False, containment="weak")
+    assert weak.stdout == "root:\n" and "landlock" not in weak.layers
+    assert weak.missing == {"landlock": "turned off by the caller (sandbox.DISABLED_LAYERS)"}
+    monkeypatch.setenv("LIGHTNING_RL_SANDBOX", "weak")
+    ok = execute({"python": tool}, call, timeout=10)
+    assert (ok.content, ok.error) == ("42\n", False)
+
+
+def test_a_bad_containment_names_where_it_came_from(monkeypatch):
+    with pytest.raises(ValueError, match=r"containment='loose': .*'strict' \(the default\) or 'weak'"):
+        run_python("pass", containment="loose")
+    monkeypatch.setenv("LIGHTNING_RL_SANDBOX", "off")
+    with pytest.raises(ValueError, match=r"LIGHTNING_RL_SANDBOX='off'"):
+        run_python("pass")
+
+
+def test_the_audit_hook_alone_holds_against_rebinding(tmp_path, monkeypatch):
+    """Every kernel layer off but the limits: rebinding names the old hook looked up (in ``__main__``,
+    the child module's globals through a frame, ``builtins``, ``os``), reaching its closure (``gc``, a
+    trace function, a traceback's frame) and ``dir_fd`` writes change nothing."""
+    kernel = {"user", "namespaces", "no_new_privs", "landlock", "capabilities", "seccomp"}
+    monkeypatch.setattr(sandbox, "DISABLED_LAYERS", frozenset(kernel))
+    target = str(tmp_path / "escaped")
+    attacks = [
+        "import __main__\n__main__.refusal = lambda *a: ''",
+        "import sys\nsys._getframe(1).f_globals.update(refusal=lambda *a: '', under=lambda *a: True)",
+        "import builtins\nbuiltins.isinstance = lambda *a: False\nbuiltins.any = lambda *a: True",
+        "import os, posixpath\nposixpath.realpath = lambda p, **k: os.getcwd()\nos.lstat = os.getcwd = None",
+        "import gc\ngc.get_objects()",
+        "import sys\nsys.settrace(lambda *a: None)",
+        "try:\n    open('/etc/shadow')\nexcept PermissionError as e:\n    tb = e.__traceback__.tb_next\n"
+        "    print(sorted(tb.tb_frame.f_locals))",
+        "import os\nos.mkdir('made', dir_fd=os.open(os.path.dirname(os.__file__), os.O_RDONLY))",
+    ]
+    for attack in attacks:
+        result = run_python(attack + f"\nopen({target!r}, 'w').write('x')\n", containment="weak")
+        assert result.limit == "refused" and "sandbox refused" in result.stderr, (attack, result.stderr)
+        assert "landlock" in result.missing and not os.path.exists(target)
+    assert "['args', 'event', 'what']" in run_python(attacks[6], containment="weak").stdout
+    assert "os.mkdir with a dir_fd" in run_python(attacks[7], containment="weak").reason
+
+
+# --------------------------------------------------------------- private folders and other users
+def test_the_sandbox_works_when_the_interpreter_and_its_folder_are_private(tmp_path, monkeypatch):
+    """Root's ``nobody`` cannot search a 0700 folder: the child covers it with a tmpfs in a mount namespace
+    of its own and binds the interpreter's library and the run's folder back (here the interpreter lives
+    under /root, and the run's folder under a private temporary folder)."""
+    if os.geteuid() != 0:
+        pytest.skip("only root drops to another user")
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+    code = "import json, os\nopen('n', 'w').write(json.dumps([1]))\nprint(open('n').read(), os.getcwd())"
+    result = run_python(code)
+    assert result.ok and result.stdout.startswith(f"[1] {private}/lrl-sandbox-"), result.stderr
+    covered = result.layers["mounts"].split(": ")[1].split(", ")
+    assert str(tmp_path.parents[-2]) in covered or any(str(private).startswith(c) for c in covered)
+    assert "/proc" not in covered and result.layers["user"].startswith("uid 65534")
+
+
+def test_user_processes_counts_threads_as_the_kernel_does():
+    """``RLIMIT_NPROC`` counts tasks: a process of an otherwise unused user with 3 threads counts 4."""
+    if os.geteuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK):
+        pytest.skip("needs root to start a process as another user")
+    code = ("import sys, threading\nfor _ in range(3):\n    threading.Thread(target=sys.stdin.read).start()\n"
+            "print('up', flush=True)\n")
+    assert user_processes(54321) == 0
+    proc = subprocess.Popen([SYSTEM_PYTHON, "-c", code], user=54321, group=54321, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "up\n"
+        assert user_processes(54321) == 4
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=10)
 
 
 @pytest.mark.slow
@@ -154,30 +277,39 @@ def test_the_cpu_time_limit_stops_a_loop_before_the_timeout():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.geteuid() != 0 or not os.access("/usr/bin/python3", os.X_OK),
-                    reason="needs root to start an unprivileged user and a system python it can read")
-def test_an_unprivileged_user_gets_a_user_and_network_namespace_and_rlimit_nproc():
-    """What a user who is not root gets: no cgroup, so ``RLIMIT_NPROC``; the network namespace through a
-    user namespace where the kernel allows it."""
-    bomb = ("import os, time\nn = 0\nfor _ in range(100):\n    try:\n        if os.fork() == 0:\n"
-            "            time.sleep(3)\n            os._exit(0)\n        n += 1\n    except OSError:\n"
-            "        break\nprint(n)\n")
-    script = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
-              "from lightning_rl.sandbox import run_python\n"
-              f"r = run_python({bomb!r}, timeout=10, max_processes=8, audit=False)\n"
-              "print(r.processes, r.stdout.strip())\n"
-              "r = run_python(\"import socket\\nsocket.create_connection(('127.0.0.1', 9), timeout=1)\","
-              " audit=False)\n"
-              "print(r.network, r.reason)\n")
-    out = subprocess.run(["/usr/bin/python3", "-I", "-c", script], user=65534, group=65534, cwd="/",
-                         capture_output=True, text=True, timeout=60)
+@pytest.mark.skipif(os.geteuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK),
+                    reason="needs root to start an unprivileged user and a system python it can run")
+def test_an_unprivileged_user_gets_every_layer_and_rlimit_nproc_for_the_run():
+    """A trainer that is not root, run from a copy it can read (the checkout may be private): its own user,
+    the namespaces, Landlock and seccomp, and ``RLIMIT_NPROC`` counted in the run's user namespace."""
+    copy = Path(tempfile.mkdtemp(prefix="lrl-copy-"))
+    try:
+        skip = shutil.ignore_patterns("__pycache__")
+        shutil.copytree(ROOT / "lightning_rl", copy / "lightning_rl", ignore=skip)
+        for p in [copy, *copy.rglob("*")]:
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        bomb = ("import os, time\nn = 0\nfor _ in range(100):\n    try:\n        if os.fork() == 0:\n"
+                "            time.sleep(3)\n            os._exit(0)\n        n += 1\n    except OSError:\n"
+                "        break\nprint(n)\n")
+        script = (f"import sys; sys.path.insert(0, {str(copy)!r})\n"
+                  "from lightning_rl.sandbox import run_python\n"
+                  f"r = run_python({bomb!r}, timeout=10, max_processes=8, audit=False)\n"
+                  "print(r.layers['user'], '|', r.layers['processes'], '|', r.stdout.strip())\n"
+                  "r = run_python('import socket; socket.socket()', audit=False)\n"
+                  "print(r.network, r.reason, sorted(r.layers))\n")
+        out = subprocess.run([SYSTEM_PYTHON, "-I", "-c", script], user=65534, group=65534, extra_groups=[],
+                             cwd="/", capture_output=True, text=True, timeout=60)
+    finally:
+        shutil.rmtree(copy)
     lines = out.stdout.split("\n")
-    assert lines[0].startswith("rlimit ") and int(lines[0].split()[1]) <= 8, out.stdout + out.stderr[-2000:]
-    assert lines[1] in ("namespace exit code 1: OSError: [Errno 101] Network is unreachable",
-                        "audit hook exit code 1: ConnectionRefusedError: [Errno 111] Connection refused")
+    user, processes, forks = (lines[0].split(" | ") + ["", ""])[:3]
+    assert (user, processes) == ("uid 65534 (the caller; not root)", "RLIMIT_NPROC 10 (this run's threads)")
+    assert forks == "7", out.stderr  # the code's own process and 7 forks: 8
+    every = sorted(KERNEL | {"proc"})
+    assert lines[1] == f"namespace PermissionError: [Errno 1] Operation not permitted {every}"
 
 
-# ------------------------------------------------------------------------------------ tool and reward
+# ---------------------------------------------------------------------------------------------- the tool
 def test_the_python_tool_loads_by_import_path_and_answers_output_or_the_error():
     (tool,) = load_tools(["lightning_rl.sandbox:python"])
     assert tool.name == "python" and tool.schema["function"]["parameters"]["required"] == ["code"]
@@ -186,36 +318,3 @@ def test_the_python_tool_loads_by_import_path_and_answers_output_or_the_error():
     bad = execute({"python": tool}, ToolCall("python", {"code": "import os\nos.system('ls')"}), timeout=10)
     assert bad.error and "sandbox refused os.system" in bad.content
 
-
-def test_extract_code_and_split_tests():
-    assert extract_code("Here:\n```python\nx = 1\n```\nand\n```py\nx = 2\n```") == "x = 2\n"
-    assert extract_code("x = 3") == "x = 3"
-    two = ["assert f(1) == 2", "assert f(\n    2) == 3"]
-    assert split_tests("assert f(1) == 2\nassert f(\n    2) == 3\n") == two
-    assert split_tests(["assert True"]) == ["assert True"]
-    with pytest.raises(ValueError, match="`tests` column"):
-        split_tests("assert (")
-
-
-def test_code_tests_scores_the_fraction_of_asserts_passed(monkeypatch):
-    monkeypatch.setattr(sandbox, "TEST_TIMEOUT", 0.5)
-    three = ["assert add(1, 2) == 3", "assert add(0, 0) == 0", "assert add(2, 2) == 5"]
-    completions = [
-        "Sure:\n```python\ndef add(a, b):\n    return a + b\n```",  # 1 and 2 pass, 3 is wrong: 2/3
-        "def add(a, b):\n    return a - b",  # only add(0, 0): 1/3
-        "def add(a, b):\n    while True:\n        pass",  # hangs on the first test: 0 before the timeout
-        "print('pass')\nimport sys\nsys.exit(0)",  # forged output without the nonce: 0
-        "import builtins\nbuiltins.exec = builtins.compile = lambda *a: None",  # tests skipped: 0
-        "def add(a, b):\n    return a + b",  # the tests as one string: 2/2
-    ]
-    tests = [three] * 5 + ["assert add(1, 1) == 2\nassert add(-1, 1) == 0"]
-    scores = code_tests(["p"] * 6, completions, tests=tests, answer=["unused"] * 6)
-    assert [round(s, 4) for s in scores] == [0.6667, 0.3333, 0.0, 0.0, 0.0, 1.0]
-
-
-def test_code_tests_by_import_path_through_the_reward_scorer_reads_the_tests_column():
-    from lightning_rl.step.reward_scorer import RewardScorer
-
-    scorer = RewardScorer(["lightning_rl.sandbox:code_tests"], weights=[2.0])
-    totals, failed = scorer(["p", "q"], ["x = 1", "x = 2"], tests=[["assert x == 1"], ["assert x == 1"]])
-    assert (totals, failed) == ([2.0, 0.0], 0)
