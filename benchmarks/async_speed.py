@@ -8,6 +8,8 @@ model and sort task) or, with ``--real``, on SmolLM2-135M-Instruct with LoRA as 
 runs it:
 
 * ``sync1`` / ``sync2``: ``max_staleness: 0``, torch on 1 / 2 threads;
+* ``*_before``: the same with ``update.skip_zero_rows: false`` (the learner forwarding every row, as before
+  it skipped the rows without gradient); ``*_packed``: with ``configs/packed.yaml`` over it;
 * ``async1`` / ``async2``: ``configs/async.yaml`` with ``max_staleness`` 1 / 2: the learner on 1 thread, the
   sampler's worker (a process, the CPU default) on 1 thread; ``async1_learner2``: ``max_staleness`` 1 with
   the learner on 2 threads; ``async1_thread``: ``max_staleness`` 1 with the sampler a thread of the
@@ -40,10 +42,14 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-# (max_staleness, the learner's torch threads, the worker); the worker always takes 1 torch thread
-VARIANTS = {"sync1": (0, 1, "auto"), "sync2": (0, 2, "auto"), "async1": (1, 1, "process"),
-            "async2": (2, 1, "process"), "async1_learner2": (1, 2, "process"),
-            "async1_thread": (1, 1, "thread")}
+# (max_staleness, the learner's torch threads, the worker, more flags); the worker always takes 1 torch thread
+BEFORE = ("--model.init_args.update.skip_zero_rows", "false")  # the learner as it was: every row forwarded
+PACKED = ("--config", str(Path(__file__).resolve().parents[1] / "configs" / "packed.yaml"))
+VARIANTS = {"sync1": (0, 1, "auto", ()), "sync2": (0, 2, "auto", ()), "async1": (1, 1, "process", ()),
+            "async2": (2, 1, "process", ()), "async1_learner2": (1, 2, "process", ()),
+            "async1_thread": (1, 1, "thread", ()), "sync1_before": (0, 1, "auto", BEFORE),
+            "sync2_before": (0, 2, "auto", BEFORE), "async1_before": (1, 1, "process", BEFORE),
+            "sync1_packed": (0, 1, "auto", PACKED), "async1_packed": (1, 1, "process", PACKED)}
 PHASES = ["perf/rollout_wait_time", "perf/generation_time", "perf/reference_time",
           "perf/sampler_reference_time", "perf/update_time"]
 
@@ -62,12 +68,13 @@ def configs(real: Path | None) -> list[str]:
 
 
 def run(variant: str, steps: int, real: Path | None, val_every: int) -> dict:
-    lag, threads, worker = VARIANTS[variant]
+    lag, threads, worker, extra = VARIANTS[variant]
     out = Path(tempfile.mkdtemp(prefix=f"async-{variant}-"))
     cmd = [sys.executable, "-m", "lightning_rl.cli.main", "fit", *configs(real),
            "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(val_every),
            "--trainer.logger.init_args.save_dir", str(out), "--trainer.enable_progress_bar", "false",
-           "--model.init_args.sampling.max_staleness", str(lag), "--model.init_args.sampling.worker", worker]
+           "--model.init_args.sampling.max_staleness", str(lag), "--model.init_args.sampling.worker", worker,
+           *extra]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "LRL_NUM_THREADS": str(threads)}
     start = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,

@@ -117,6 +117,26 @@ class CheckpointOnInterrupt(L.Callback):
         if not self._previous:
             self.requested = None
         self._install(trainer)
+        self._watch_sampler(trainer, pl_module)
+
+    def _watch_sampler(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Let an asynchronous sampler's wait see the request (``AsyncRollouts.watch``): a step that waits for
+        a stalled worker must not keep the signal from its checkpoint. In a single process it may stop
+        there, with the checkpoint of the step's start; ranks cannot agree in the middle of a step."""
+        watch = getattr(getattr(pl_module, "rollouts", None), "watch", None)
+        if watch is None:
+            return
+        stop = (lambda: self._stop_before_step(trainer)) if trainer.world_size == 1 else None
+        watch(lambda: self.requested is not None, stop)
+
+    def _stop_before_step(self, trainer: L.Trainer) -> None:
+        """Save and stop in the middle of a step that has changed nothing yet (it waited for its rollout):
+        the loop's counters are rewound to before its batch (the DataModule counts the steps processed), so a
+        resume runs this step again."""
+        for progress in (trainer.fit_loop.epoch_loop.batch_progress.total,
+                         trainer.fit_loop.epoch_loop.batch_progress.current):
+            progress.ready = progress.started = progress.processed
+        self._stop_if_requested(trainer)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *_: Any) -> None:
         self._stop_if_requested(trainer)

@@ -48,7 +48,8 @@ def advantage_stage(advantage: AdvantageEstimator | None, num_generations: int) 
 
 def update_stage(o: UpdateOptions) -> Updater:
     """The updater: epochs over the rollout, minibatches, micro-batches, clipping."""
-    return Updater(o.epochs, o.num_minibatches, o.micro_batch_size, o.max_grad_norm)
+    return Updater(o.epochs, o.num_minibatches, o.micro_batch_size, o.max_grad_norm, o.skip_zero_rows,
+                   o.micro_batch_tokens)
 
 
 def objective_stages(o: ObjectiveOptions, *, default_length: int | None = None,
@@ -78,7 +79,8 @@ def rollout_source(sampler: Sampler, filters: FilterOptions,
     source = RolloutSource(sampler, filter_stages(filters), sampling.seed)
     if not sampling.max_staleness:
         return source
-    return AsyncRollouts(source, sampling.max_staleness, sampling.worker_threads, sampling.worker)
+    return AsyncRollouts(source, sampling.max_staleness, sampling.worker_threads, sampling.worker,
+                         sampling.worker_timeout)
 
 
 def episode_stage(o: EpisodeOptions, *, tokenizer: Any, chat: bool, max_new_tokens: int,
@@ -127,8 +129,9 @@ def reward_stages(o: RewardOptions, *, environment_only: bool, budget: int, rend
         accuracy_name = repr(accuracy_fn)
     else:
         accuracy_name = o.accuracy_fn or DEFAULT_REWARD
-        accuracy_fn = import_reward(accuracy_name)
-    correctness_fn = import_reward(o.correctness_fn) if o.correctness_fn else accuracy_fn
+        accuracy_fn = import_reward(accuracy_name, "model.rewards.accuracy_fn")
+    correctness_fn = import_reward(o.correctness_fn, "model.rewards.correctness_fn") if o.correctness_fn \
+        else accuracy_fn
     model = RewardModelScorer(o.model, trust_remote_code=trust_remote_code) if o.model else None
     overlong = overlong_shaping(o.overlong_buffer, o.overlong_penalty_factor, budget)
     pipeline = RewardPipeline(scorer, correctness_fn, reward_model=model, reward_model_weight=o.model_weight,

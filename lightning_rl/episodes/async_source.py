@@ -23,45 +23,42 @@ The protocol, for a lag ``k = model.sampling.max_staleness``:
   them: a resumed run trains on exactly the rollouts the uninterrupted run would have, and no prompt is
   sampled or scored twice.
 
-The worker (:mod:`lightning_rl.episodes.async_worker`) is a forked child of its rank's process on CPU, a
-thread of it with its own copy of the weights and its own CUDA stream on GPUs (``model.sampling.worker``).
-It never joins a collective: each rank has its own worker, and its filters and reward-failure limit decide on
-that rank's samples alone. A worker's failure reaches the learner as an error naming the step and the worker's
-exception; a worker that dies is reported with its exit code, never waited for.
+The worker (:mod:`lightning_rl.episodes.async_worker`) is a child of its rank's process on CPU, a thread
+of it with its own copy of the weights and its own CUDA stream on GPUs (``model.sampling.worker``). It
+never joins a collective: each rank has its own worker, and its filters and reward-failure limit decide on
+that rank's samples alone. The learner never waits for it blindly (:mod:`lightning_rl.episodes.async_link`):
+a worker that fails, dies or stalls (silent past ``model.sampling.worker_timeout``) stops the run with a line
+naming it.
+
+A stop request (Ctrl-C / SIGTERM, seen through :meth:`AsyncRollouts.watch`) while the learner waits: a
+worker that keeps reporting progress finishes the step, which ends with the usual checkpoint; one silent for
+``async_link.STOP_PATIENCE`` seconds is given up. In a single process the step is then dropped (nothing of
+it has run: its batch, weights and optimiser are untouched) and the run saves the checkpoint of its start
+and exits as the signal asks; with several ranks, which cannot agree in the middle of a step, it stops with
+the stall's error. A checkpoint taken with a stop pending holds the rollouts received in time: a stalled,
+failed or dead worker costs the rollouts it had not delivered, which the resumed run samples again with its
+own weights (fresher than the uninterrupted run's would have been).
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-import pickle
-import queue
-import threading
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import fields
-from types import SimpleNamespace
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
-from lightning_rl.episodes.async_worker import (
-    POLL_SECONDS,
-    Failed,
-    Sampled,
-    WeightSlots,
-    Worker,
-    rollout_to,
-    run_worker,
-)
+from lightning_rl.episodes.async_link import SamplerLost, WorkerLink
+from lightning_rl.episodes.async_worker import Failed, Sampled, WeightSlots, Worker, rollout_to
 from lightning_rl.episodes.sampler import PolicyIO
 from lightning_rl.episodes.source import Batch, RolloutSource
 from lightning_rl.models.adapters import named_trainable_parameters
 from lightning_rl.step.rollout import Rollout
-
-STOP_SECONDS = 30  # a worker's own stop (a vLLM engine it started shuts down in ~5 s) before it is killed
 
 
 class AsyncRollouts:
@@ -72,26 +69,41 @@ class AsyncRollouts:
         max_staleness: the lag ``k`` >= 1.
         threads: torch threads of a process worker.
         worker: ``process``, ``thread`` or ``auto`` (a process on CPU, a thread on GPUs).
+        timeout: seconds without progress before a worker the learner waits for is stalled (``None``: no
+            limit).
     """
 
     def __init__(self, source: RolloutSource, max_staleness: int, threads: int = 1,
-                 worker: str = "auto") -> None:
+                 worker: str = "auto", timeout: float | None = 600.0) -> None:
         if max_staleness < 1:
             raise ValueError(f"`model.sampling.max_staleness` must be >= 1 to sample ahead, got "
                              f"{max_staleness}")
         self.source, self.lag, self.threads, self.worker = source, max_staleness, threads, worker
-        self.max_staleness = max_staleness
+        self.max_staleness, self.timeout = max_staleness, timeout
         self.seed = source.seed
         self.slots: WeightSlots | None = None
-        self.process: Any = None
+        self.link: WorkerLink | None = None
         self.ready: dict[int, Sampled] = {}  # sampled ahead, by step
         self.restored: list[Sampled] = []  # from a checkpoint, for `start`
         self.refills = 0  # the refill stream's position after the last rollout received
         self.loaded = False  # resumed: `refills` is the checkpoint's position, not the DataModule's
+        self.stop_requested: Callable[[], bool] = lambda: False
+        self.stop_now: Callable[[], None] | None = None
 
     @property
     def running(self) -> bool:
-        return self.process is not None
+        return self.link is not None
+
+    @property
+    def process(self) -> Any:
+        """The running worker: a ``forking.Forked`` process or a thread (``None`` when stopped)."""
+        return None if self.link is None else self.link.process
+
+    def watch(self, requested: Callable[[], bool], stop: Callable[[], None] | None) -> None:
+        """How a wait sees a stop request: ``requested()`` (Ctrl-C / SIGTERM received); ``stop()`` saves the
+        checkpoint of the current step's start and ends the run (it raises; ``None``: not possible here,
+        e.g. with several ranks). Called by ``lightning_rl.callbacks.CheckpointOnInterrupt``."""
+        self.stop_requested, self.stop_now = requested, stop
 
     def start(self, *, io: PolicyIO, engine: Any, names: list[str], batches: Callable[[int], Iterator[Batch]],
               refills: Callable[[int], Iterator[Batch]] | None, step: int, batch_index: int, rank: int,
@@ -106,35 +118,19 @@ class AsyncRollouts:
         (temperature, micro-batch size)."""
         if self.running:
             return
-        context = None if thread else mp.get_context("fork")
-        self.slots = WeightSlots(engine.weights(names), self.lag + 1, context)
+        link = WorkerLink(thread, self.timeout, lambda: self.stop_requested())
+        self.slots = WeightSlots(engine.weights(names), self.lag + 1, link.context)
         self.ready = {item.step: item for item in self.restored}
         first = step + len(self.restored)
         refills_start = self.refills if self.loaded else refills_start
         self.refills, self.restored = refills_start, []
-        if context is None:
-            self.results = sender = queue.SimpleQueue()
-            self.stop = SimpleNamespace(value=0)
-        else:
-            self.results, sender = context.Pipe(duplex=False)
-            self.stop = context.Value("b", 0, lock=False)
         worker = Worker(self.source, io, engine, self.slots, batches(batch_index + first - step), refills,
-                        refills_start, first, step, self.lag, rank, sender, self.stop,
-                        None if thread else os.getpid(), self.threads, frozen, scoring,
+                        refills_start, first, step, self.lag, rank, link.sender, link.stop,
+                        None if thread else os.getpid(), self.threads, link.progress, frozen, scoring,
                         device or torch.device("cpu"))
-        if context is None:
-            self.process = threading.Thread(target=run_worker, args=(worker,), daemon=True,
-                                            name="lightning-rl-sampler")
-            self.process.start()
-        else:
-            # not daemonic: what samples may start processes of its own (a vLLM engine, a reward's pool)
-            self.process = context.Process(target=run_worker, args=(worker,), daemon=False,
-                                           name="lightning-rl-sampler")
-            self.process.start()
-            sender.close()  # the worker's end alone: its exit, even mid-message, reads as end of file here
-        # however the learner ends (a signal's checkpoint-and-exit skips Lightning's teardown), stop the
-        # worker before multiprocessing's own exit handler joins it (after a SIGTERM the worker ignores)
-        atexit.register(self.close)
+        link.start(worker, self.threads)
+        self.link = link
+        atexit.register(self.close)  # however the learner ends (a signal's exit skips Lightning's teardown)
 
     def publish(self, step: int, model: nn.Module) -> None:
         """The trained weights of ``model`` at the start of ``step``, as version ``step``."""
@@ -148,9 +144,17 @@ class AsyncRollouts:
         return (rollout if device is None else rollout_to(rollout, device)), stats
 
     def take(self, step: int, batch: Batch) -> tuple[Rollout, dict[str, float]]:
-        """Step ``step``'s rollout (waiting for the worker) and its statistics, staleness included."""
+        """Step ``step``'s rollout (waiting for the worker) and its statistics, staleness included. A worker
+        lost while a stop is pending ends the run through ``stop_now`` (see :meth:`watch`)."""
         wait_start = time.perf_counter()
-        item = self.receive(step)
+        try:
+            item = self.receive(step)
+        except SamplerLost as err:
+            if self.stop_requested() and self.stop_now is not None:
+                print(f"{err}; step {step} is dropped: the checkpoint is that of its start", file=sys.stderr,
+                      flush=True)
+                self.stop_now()
+            raise
         if list(batch["prompt"]) != item.prompts:
             raise RuntimeError(f"asynchronous sampling: the worker's prompt batch for step {step} is not the "
                                "one the DataModule gave this step (the sampler reads the DataModule's prompt "
@@ -164,55 +168,44 @@ class AsyncRollouts:
     def receive(self, step: int) -> Sampled:
         """The worker's rollout of ``step``: from those received ahead, else the next ones in order."""
         while step not in self.ready:
-            item = self.next_result(step)
+            if self.link is None:
+                raise SamplerLost(f"the sampler worker is not running (step {step})")
+            try:
+                item = self.link.next_result(step)
+            except SamplerLost:
+                self.close()  # the link stopped it already
+                raise
             if isinstance(item, Failed):
                 self.close()
-                raise RuntimeError(f"the sampler worker failed sampling step {item.step}: {item.message}")
+                raise SamplerLost(f"the sampler worker failed sampling step {item.step}: {item.message}")
             self.ready[item.step] = item
             self.refills = item.refills
         return self.ready.pop(step)
 
-    def next_result(self, step: int) -> Sampled | Failed:
-        """The worker's next message; its exit (killed, even in the middle of a message) is an error
-        naming its exit code, never a wait."""
-        process = self.process
-        if process is None:
-            raise RuntimeError(f"the sampler worker is not running (step {step})")
-        if isinstance(process, threading.Thread):
-            return self.next_from_thread(process, step)
-        while True:
-            if self.results.poll(POLL_SECONDS):
-                try:
-                    return pickle.loads(self.results.recv_bytes())
-                except (EOFError, OSError):  # its end of the pipe closed, or its tensors went with it
-                    break
-            if not process.is_alive():
-                break
-        process.join(timeout=5)
-        self.close()
-        raise RuntimeError(f"the sampler worker exited (code {process.exitcode}) before step {step}'s "
-                           "rollout")
-
-    def next_from_thread(self, thread: threading.Thread, step: int) -> Sampled | Failed:
-        """A thread worker's next message (it reports its own exceptions; it cannot be killed)."""
-        while True:
-            try:
-                return self.results.get(timeout=POLL_SECONDS)
-            except queue.Empty:
-                if not thread.is_alive() and self.results.empty():
-                    self.close()
-                    raise RuntimeError(f"the sampler thread stopped before step {step}'s rollout") from None
-
     def state_dict(self, next_step: int) -> dict[str, Any]:
         """The rollouts of steps ``next_step .. next_step + k - 1`` (their weight versions are published, so
         the worker finishes them) and the refill position after them; the next ones are sampled after a
-        resume from the checkpoint's weights, as they would have been."""
-        ahead = [self.receive_kept(s) for s in range(next_step, next_step + self.lag)] if self.running else []
+        resume from the checkpoint's weights, as they would have been. With a stop pending, a worker lost
+        on the way costs the rollouts it had not delivered (see the module docstring)."""
+        ahead: list[Sampled] = []
+        for step in range(next_step, next_step + self.lag):
+            item = self.ready.get(step) or (self.kept(step) if self.running else None)
+            if item is None:
+                break
+            ahead.append(item)
         return {"rollouts": [as_state(item) for item in ahead],
                 "refills": ahead[-1].refills if ahead else self.refills}
 
-    def receive_kept(self, step: int) -> Sampled:
-        item = self.receive(step)
+    def kept(self, step: int) -> Sampled | None:
+        """Step ``step``'s rollout, received and kept for its step; ``None`` if the worker is lost with a stop
+        pending."""
+        try:
+            item = self.receive(step)
+        except SamplerLost as err:
+            if not self.stop_requested():
+                raise
+            print(f"{err}: the checkpoint holds the rollouts received before it", file=sys.stderr, flush=True)
+            return None
         self.ready[step] = item
         return item
 
@@ -221,17 +214,11 @@ class AsyncRollouts:
         self.refills, self.loaded = int(state.get("refills", 0)), True
 
     def close(self) -> None:
-        """Stop the worker: it checks between rollouts and while it waits, then stops what it started (a vLLM
-        engine); killed after ``STOP_SECONDS``."""
-        process, self.process = self.process, None
-        if process is None:
-            return
-        atexit.unregister(self.close)
-        self.stop.value = 1
-        process.join(timeout=STOP_SECONDS)
-        if process.is_alive() and not isinstance(process, threading.Thread):
-            process.kill()  # a thread in the middle of a rollout ends with it (a daemon: never waited for)
-            process.join(timeout=5)
+        """Stop the worker (``WorkerLink.close``)."""
+        link, self.link = self.link, None
+        if link is not None:
+            atexit.unregister(self.close)
+            link.close()
 
 
 def as_state(item: Sampled) -> dict[str, Any]:

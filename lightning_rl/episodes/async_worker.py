@@ -1,27 +1,37 @@
 """The sampler's worker of asynchronous sampling (:mod:`lightning_rl.episodes.async_source`): the weight
-slots, the messages it sends, and its loop.
+slots, the messages it sends, the progress it reports, and its loop.
 
-A **process** worker (``model.sampling.worker: process``, the default on CPU) is a forked child of its
-rank's process: it inherits the module's sampler, tokenizer, reward functions, environments and tools as
-they are (nothing is pickled), has its own torch threads, ignores SIGINT / SIGTERM (the learner stops it
-after saving its checkpoint) and exits when its parent does. Its messages travel pickled through a pipe
-whose only writer it is: rollouts are small next to the weights, and its death, even in the middle of a
-message, reads as end of file on the learner's side; its weight slots are shared-memory tensors.
+A **process** worker (``model.sampling.worker: process``, the default on CPU) is a child of its rank's
+process forked from a fresh thread (:func:`lightning_rl.step.forking.fork`): it inherits the module's
+sampler, tokenizer, reward functions, environments and tools as they are (nothing is pickled), runs
+``model.sampling.worker_threads`` torch threads with an OpenMP runtime of its own (a fork from a thread that
+ran parallel regions would hang in its first one), ignores SIGINT / SIGTERM (the learner stops it after
+saving its checkpoint), is SIGKILLed by the kernel when its parent ends however it ends
+(``PR_SET_PDEATHSIG``; a vLLM engine it started has its own), and is not daemonic: what it calls may start
+processes of its own. Its messages travel pickled through a pipe whose only writer it is: rollouts are small
+next to the weights, and its death, even in the middle of a message, reads as end of file on the learner's
+side; its weight slots are shared-memory tensors.
 
 A **thread** worker (``worker: thread``, the default on GPUs, where a CUDA context cannot be forked and
 kernels release the GIL) runs in the learner's process with its own copy of the sampling weights
 (``HFEngine.worker_copy``), its own CUDA stream, and slots on the device: a version is published by a
 device-to-device copy, and the worker's stream waits for it. Its rollouts reach the learner through a queue,
-on the CPU (a rollout is small; the learner moves it to its device).
+on the CPU (a rollout is small; the learner moves it to its device). It never writes the process-global RNG
+(the learner's): transformers' ``generate``, which draws from it, is refused there
+(:func:`lightning_rl.step.engine.seeded`).
 
-Either never joins a collective.
+Either reports its **progress** (:class:`Progress`: a small shared-memory array for a process, a list for a
+thread): its phase (``waiting for weights version 3 to sample step 4``, ``generating step 4``, ``scoring
+rewards (or running tools) for step 4``, ...) and when it last reported. It reports at every phase change,
+at every generation call (each round and each turn of a step) and all the while it waits for weights, so
+the learner's ``model.sampling.worker_timeout`` measures how long one phase has gone without news, never a
+whole step. Either never joins a collective.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import signal
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -40,6 +50,39 @@ from lightning_rl.step.logprobs import score_rollout
 from lightning_rl.step.rollout import Rollout
 
 POLL_SECONDS = 0.002
+PHASES = ("starting", "waiting for weights version {version} to sample step {step}",
+          "loading weights version {version} to sample step {step}", "generating step {step}",
+          "scoring rewards (or running tools) for step {step}",
+          "scoring the frozen models' log-probs for step {step}", "sending step {step}'s rollout", "stopped")
+STARTING, WAITING, LOADING, GENERATING, SCORING, FROZEN, SENDING, STOPPED = range(len(PHASES))
+
+
+class Progress:
+    """What the worker is doing, for the learner's stall check: its phase (an index into ``PHASES``), the
+    step and weight version it concerns, and the ``time.monotonic()`` of its last report (one clock for every
+    process of the machine). A process worker's lives in shared memory (``context``: its multiprocessing
+    context), a thread's in a list. Lock-free: the worker alone writes, the time last."""
+
+    def __init__(self, context: Any = None) -> None:
+        initial = [float(STARTING), -1.0, -1.0, time.monotonic()]
+        self.values: Any = initial if context is None else context.RawArray("d", initial)
+
+    def report(self, phase: int, step: int, version: int = -1) -> None:
+        self.values[0], self.values[1], self.values[2] = float(phase), float(step), float(version)
+        self.values[3] = time.monotonic()
+
+    def beat(self) -> None:
+        """Still in the same phase, and fine (waiting for the learner's weights)."""
+        self.values[3] = time.monotonic()
+
+    def silent_for(self) -> float:
+        """Seconds since the last report."""
+        return time.monotonic() - self.values[3]
+
+    def describe(self) -> str:
+        """The phase in words: ``generating step 4``."""
+        phase, step, version = (int(v) for v in self.values[:3])
+        return PHASES[phase].format(step=step, version=version)
 
 
 @dataclass
@@ -137,15 +180,16 @@ class Worker:
     stop: Any
     parent: int | None  # a process's parent pid; None: a thread
     threads: int
+    progress: Progress
     frozen: dict[str, Any] | None = None  # frozen models scored here: {"reference": ..., "teacher": ...}
     scoring: tuple[float, int | None] = (1.0, None)  # their temperature and micro-batch size
     device: torch.device = torch.device("cpu")
 
     def run(self) -> None:
-        if self.parent is not None:  # a process of its own
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # the learner saves, then stops the worker
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        torch.set_num_threads(self.threads)  # a thread's: its own OpenMP team (a new thread has the default)
+        """The loop, on the worker's own CUDA stream. A process has its threads and signals from
+        :func:`~lightning_rl.step.forking.fork`; a thread sets its own OpenMP team size."""
+        if self.parent is None:
+            torch.set_num_threads(self.threads)
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             self.loop()
@@ -164,27 +208,46 @@ class Worker:
         try:
             for batch in self.batches:
                 version = max(self.start, step - self.lag)
-                tensors = self.slots.wait(version, self.stopping)
-                if tensors is None:
+                self.progress.report(WAITING, step, version)
+                tensors = None if self.stopping() else self.slots.wait(version, self.waiting)
+                if tensors is None:  # stopped (a version already published is no reason to go on)
                     return
+                self.progress.report(LOADING, step, version)
                 loading = time.perf_counter()
                 self.engine.set_weights(version, tensors)  # a vLLM engine loads the version here
                 loaded = time.perf_counter() - loading
                 with torch.no_grad():
-                    rollout, stats = self.source(batch, self.io, step=step, rank=self.rank,
+                    rollout, stats = self.source(batch, self.reporting_io(step), step=step, rank=self.rank,
                                                  collectives=Collectives.local(), device=self.device,
                                                  refill=refill if self.refills is not None else None)
                 stats = {**stats, "perf/sampler_weight_sync_time": loaded}
                 rollout = replace(rollout, versions=torch.full((len(rollout),), version, dtype=torch.long))
+                self.progress.report(FROZEN, step, version)
                 rollout, stats = self.score_frozen(rollout, stats)
                 rollout = rollout_to(rollout, "cpu")  # a thread's stream finishes here: the slot is free
+                self.progress.report(SENDING, step, version)
                 self.send(Sampled(step, version, list(batch["prompt"]), rollout, stats, refilled))
                 step += 1
         except BaseException as err:  # noqa: BLE001 (every failure reaches the learner)
             last = traceback.format_exception_only(type(err), err)[-1].strip()
             self.send(Failed(step, last))
         finally:
+            self.progress.report(STOPPED, step)
             self.engine.close()
+
+    def reporting_io(self, step: int) -> PolicyIO:
+        """The policy's IO whose ``generate`` reports each call (a round, an episode's turn) and its end:
+        what follows a generation is scoring (rewards, an episode's tools and environment, filters)."""
+        generate = self.io.generate
+
+        def reported(*args: Any, **kwargs: Any) -> Any:
+            self.progress.report(GENERATING, step)
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                self.progress.report(SCORING, step)
+
+        return replace(self.io, generate=reported)
 
     @torch.no_grad()
     def score_frozen(self, rollout: Rollout, stats: dict[str, float]) -> tuple[Rollout, dict[str, float]]:
@@ -210,6 +273,11 @@ class Worker:
 
     def stopping(self) -> bool:
         return bool(self.stop.value) or (self.parent is not None and os.getppid() != self.parent)
+
+    def waiting(self) -> bool:
+        """``stopping()``, polled while the worker waits for weights: each poll is a sign of life."""
+        self.progress.beat()
+        return self.stopping()
 
 
 def run_worker(worker: Worker) -> None:

@@ -16,6 +16,7 @@ stepping until all ranks finish.
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -190,10 +191,18 @@ def seeded(seed: int | None, device: torch.device, *, global_rng: bool = True) -
     """Draw from ``seed`` without disturbing the global RNG streams (nothing happens for ``None``): the
     compacting sampler draws from its own generator; ``global_rng`` also seeds the global streams for the
     length of the block (transformers' ``generate`` draws from them), then restores them. Both give the
-    same draws for the same seed."""
+    same draws for the same seed. ``global_rng`` is refused off the main thread (a sampler thread beside the
+    learner, ``model.sampling.worker: thread``): the streams are the process's, the learner's too."""
     if seed is None:
         yield
         return
+    if global_rng and threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("`model.sampling.worker: thread` samples beside the learner, but transformers' "
+                           "`generate` (used when `model.sampling.share_prompt_prefix` or "
+                           "`model.engine.init_args.compact` is off) draws from the process-global RNG, "
+                           "which a thread would reseed under the learner: keep `share_prompt_prefix: true` "
+                           "(the compacting sampler draws from its own generator) or use "
+                           "`model.sampling.worker: process`")
     with drawing_from(torch.Generator(device).manual_seed(seed)):
         if not global_rng:
             yield

@@ -1,14 +1,22 @@
 """Calls that can be stopped: user code (tools, reward functions) in forked worker processes that are killed
 on timeout (a batch's reward functions at once: :func:`lightning_rl.step.rewards.run_all`).
 
-A :class:`Worker` is a child forked from this process that runs one call at a time. The function is inherited
-at fork (:func:`register` it first, so closures and test-local functions work too); the arguments and the
-result travel by pipe, pickled. A call past its timeout costs the worker: it is killed with SIGKILL and
-reaped, so a function stuck in C code that holds the GIL (a catastrophic regex) is stopped too, and no thread
-is left behind. A worker dies with its parent: pipe EOF, a parent-pid check every second, and on Linux
-``PR_SET_PDEATHSIG`` (SIGKILL when the thread that forked it ends, which also ends a worker stuck mid-call).
-:data:`WORKERS` keeps a few idle workers for reuse; :func:`os.register_at_fork` clears it in any forked child
-(the asynchronous sampler's process starts its own).
+A :class:`Worker` is a child forked from this process (:func:`lightning_rl.step.forking.fork`: from a fresh
+thread) that runs one call at a time. The function is inherited at fork (:func:`register` it first, so
+closures and test-local functions work too); the arguments and the result travel by pipe, pickled. A call
+past its timeout costs the worker: it is killed with SIGKILL and reaped, so a function stuck in C code that
+holds the GIL (a catastrophic regex) is stopped too, and no thread is left behind. A worker dies with its
+parent: ``PR_SET_PDEATHSIG`` (SIGKILL when this process ends, even mid-call; the keeper thread that forked
+it lives as long as it does, whichever thread asked for it), pipe EOF and a parent-pid check every second.
+It is not daemonic: what it calls may start processes of its own. :data:`WORKERS` keeps a few idle workers
+for reuse; :func:`os.register_at_fork` clears it in any forked child (the asynchronous sampler's process
+starts its own).
+
+**Threads.** A worker gets the torch intra-op thread count of the thread that asked for it
+(``torch.get_num_threads()`` there, when torch is imported) and a fresh OpenMP runtime: a reward function or
+tool may run parallel torch code even after the trainer did (a child forked from a thread that ran OpenMP
+regions would hang in its first one). Several workers run at once (one per isolated function of a batch), so
+a function that needs few threads may set ``torch.set_num_threads`` itself.
 
 Forking copies nothing up front (copy-on-write) and costs ~20 ms in a process that holds torch; a call costs a
 pipe round trip (~0.1 ms) plus pickling. The child must not touch CUDA or the parent's process groups.
@@ -28,6 +36,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_rl.step import forking
+
+# the worker's signals (SIGTERM ends it; Ctrl-C goes to the parent, which kills its workers)
+HANDLERS = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.SIG_IGN}
 REGISTRY: list[Callable[..., Any]] = []  # functions a worker can call, by key; a worker knows those before it
 _KEYS: dict[int, int] = {}  # id(fn) -> key (the function is held in REGISTRY, so its id is never reused)
 _REGISTER = threading.Lock()
@@ -83,18 +95,6 @@ def describe(err: BaseException) -> str:
 
 
 # ------------------------------------------------------------------------------------------- the child
-def _die_with_parent(parent: int) -> None:
-    """Linux: SIGKILL this process when the thread that forked it ends (even mid-call)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent:  # the parent ended before prctl
-        os._exit(0)
-
-
 def _run(fn: Callable[..., Any] | int, post: Callable[[Any], Any] | None, args: tuple, kwargs: dict) -> tuple:
     """``("ok", value)`` or ``("raised", type name, message)`` of one call (awaited if it is a coroutine)."""
     try:
@@ -111,10 +111,8 @@ async def awaited(awaitable: Any) -> Any:
 
 
 def _serve(conn: Any, parent: int) -> None:
-    """The worker's loop: one request at a time until the parent goes away."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's handlers: SIGTERM ends a worker
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which kills its workers
-    _die_with_parent(parent)
+    """The worker's loop: one request at a time until the parent goes away (set up by :func:`forking.fork`:
+    SIGTERM ends it, SIGINT goes to the parent, which kills its workers)."""
     while True:
         while not conn.poll(1.0):
             if os.getppid() != parent:
@@ -140,15 +138,14 @@ class Worker:
     def __init__(self) -> None:
         parent, (mine, theirs) = os.getpid(), multiprocessing.Pipe()
         self.known = len(REGISTRY)  # keys below this were inherited
-        pid = os.fork()
-        if pid == 0:  # the child never returns into the caller's stack
-            try:
-                mine.close()
-                _serve(theirs, parent)
-            finally:
-                os._exit(0)
+
+        def serve() -> None:
+            mine.close()
+            _serve(theirs, parent)
+
+        self.process = forking.fork(serve, handlers=HANDLERS, name="lightning-rl-worker")
         theirs.close()
-        self.pid, self.conn, self.done = pid, mine, False
+        self.pid, self.conn, self.done = self.process.pid, mine, False
 
     def start(self, fn: Callable[..., Any] | int, args: tuple, kwargs: dict,
               post: Callable[[Any], Any] | None = None) -> None:
@@ -180,13 +177,11 @@ class Worker:
     def alive(self) -> bool:
         if self.done:
             return False
-        try:
-            if os.waitpid(self.pid, os.WNOHANG) == (0, 0):
-                return True
-        except ChildProcessError:
-            pass
+        if self.process.is_alive():
+            return True
         self.done = True
         self.conn.close()
+        self.process.join()
         return False
 
     def ended(self) -> str:
@@ -195,20 +190,16 @@ class Worker:
         if self.done:
             return "already reaped"
         self.done = True
-        try:
-            _, status = os.waitpid(self.pid, 0)
-        except ChildProcessError:
+        self.process.join()
+        code = self.process.exitcode
+        if code is None:
             return "already reaped"
-        code = os.waitstatus_to_exitcode(status)
         return f"signal {-code}" if code < 0 else f"exit code {code}"
 
     def kill(self) -> None:
         """SIGKILL and reap the worker (once: a reaped pid may belong to another process by now)."""
         if not self.done:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            self.process.kill()
         self.ended()
 
 

@@ -420,7 +420,7 @@ def test_execute_times_out_kills_the_worker_and_leaves_no_thread_or_process():
         out = execute(TOOLS, ToolCall("sleepy", {"seconds": 60}), 0.01)
         assert out == ToolResult("sleepy", "sleepy timed out after 0.01 s", error=True, timed_out=True)
     assert WORKERS.timeouts - timeouts == 20
-    assert threading.active_count() == threads
+    assert threading.active_count() <= threads  # a killed worker's keeper thread (step/forking.py) ends too
     assert children() <= before
 
 
@@ -433,7 +433,7 @@ def test_a_catastrophic_regex_holding_the_gil_is_stopped_in_time():
     out = execute(TOOLS, ToolCall("backtrack", {"text": "a" * 64 + "b"}), 0.3)
     assert out == ToolResult("backtrack", "backtrack timed out after 0.3 s", error=True, timed_out=True)
     assert time.perf_counter() - start < 1.3 and WORKERS.timeouts == timeouts + 1
-    assert threading.active_count() == threads and children() < before
+    assert threading.active_count() <= threads and children() < before
     assert execute(TOOLS, ToolCall("sqrt", {"x": 9}), 2.0).content == "3.0"  # a new worker answers next
 
 
