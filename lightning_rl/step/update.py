@@ -21,6 +21,7 @@ from torch import Tensor
 
 from lightning_rl.maths.aggregation import aggregate, masked_mean, normalizer_counts
 from lightning_rl.maths.losses import value_loss
+from lightning_rl.models.packing import packable
 from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.rollout import Rollout
 
@@ -144,7 +145,7 @@ class Updater:
             share = len(micro) / len(kept)
             for name in (n for t in trained for n in t.summed if n in metrics):
                 metrics[name] = metrics[name].detach() * world / share
-            metrics["perf/pad_frac"] = pad_fraction(micro)
+            metrics["perf/pad_frac"] = pad_fraction(micro, trained)
             metrics["perf/skipped_rows_frac"] = skipped
             yield metrics, share
         if len(minibatch) and not len(kept):
@@ -190,8 +191,12 @@ def token_bins(prompt_mask: Tensor, attention_mask: Tensor, budget: int, max_row
     return bins + [torch.tensor(current)]
 
 
-def pad_fraction(micro: Rollout) -> Tensor:
-    """The share of a training micro-batch's positions (prompt + completion) that are padding."""
+def pad_fraction(micro: Rollout, trained: list[TrainedModel]) -> Tensor:
+    """The share of a training micro-batch's positions (prompt + completion) that are padding: none when
+    every trained model scores it packed (``update.packing``)."""
+    if all(getattr(t.module, "packing", False) for t in trained) and packable(micro.prompt_mask,
+                                                                             micro.attention_mask):
+        return torch.zeros(())
     total = micro.prompt_ids.numel() + micro.completion_ids.numel()
     real = micro.prompt_mask.sum() + micro.attention_mask.sum()
     return 1.0 - real.float() / max(total, 1)

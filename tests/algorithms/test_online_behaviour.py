@@ -123,7 +123,8 @@ class OptimizerSteps(L.Callback):
 @pytest.mark.slow
 def test_ppo_epochs_and_minibatches_reuse_one_behaviour_snapshot(tmp_path, monkeypatch):
     clip = 0.01
-    module = make(GRPO, update={"epochs": 2, "num_minibatches": 2},
+    # every row in the update (no skipping): each optimiser step sees its whole minibatch of 8
+    module = make(GRPO, update={"epochs": 2, "num_minibatches": 2, "skip_zero_rows": False},
                   objective={"kl_coef": 0.0, "clip_low": clip, "clip_high": clip},
                   optimizer=partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.0))
     behaviour_passes = spy_policy_scoring(monkeypatch, module)

@@ -308,7 +308,8 @@ class OldLogpCheck(RLCallback):
 
 @pytest.mark.slow
 def test_two_minibatches_record_old_logprobs_once_per_step(tmp_path, monkeypatch):
-    module = make(GRPO, update={"num_minibatches": 2}, objective={"kl_coef": 0.0})
+    # every row in the update (no skipping), so that each optimiser step sees its whole minibatch
+    module = make(GRPO, update={"num_minibatches": 2, "skip_zero_rows": False}, objective={"kl_coef": 0.0})
     policy_logprob_calls = spy_policy_scoring(monkeypatch, module)
     cap, check = Capture(), OldLogpCheck(module)
     # 2 RL steps x 2 optimiser steps

@@ -90,9 +90,11 @@ def test_packed_updates_make_the_padded_gradient_in_every_aggregation(tmp_path):
             module.policy.packing = False
             padded, _, _ = skipping_grads(module, rollout, True, 3, mode)
             module.policy.packing = True
-            packed, _, _ = skipping_grads(module, rollout, True, 3, mode)
-            out[mode] = (max_diff(padded, packed), norm(padded))
+            packed, _, metrics = skipping_grads(module, rollout, True, 3, mode)
+            pads = [float(m["perf/pad_frac"]) for m, _ in metrics]
+            out[mode] = (max_diff(padded, packed), norm(padded), pads)
         return out
 
-    for mode, (diff, scale) in probe(module, experiment, tmp_path).items():
+    for mode, (diff, scale, pads) in probe(module, experiment, tmp_path).items():
         assert scale > 1e-2 and diff < 1e-6, (mode, diff)
+        assert pads == [0.0] * len(pads) and len(pads) > 1  # nothing forwarded is padding
