@@ -31,9 +31,14 @@ setup: $(VENV)/.installed
 demo: setup
 	$(VENV)/bin/lightning-rl fit --config configs/grpo.yaml
 
-# the whole suite; --durations shows where its time goes
+# the whole suite, as two pytest sessions at once (the machine's two cores): the multi-process and vLLM tests
+# (their ranks and engines), and the rest; it fails if either does. --durations shows where the time goes.
 test: setup
-	$(VENV)/bin/pytest -q --durations=15
+	@log=$$(mktemp); \
+	$(VENV)/bin/pytest -q -m "distributed or vllm" --durations=10 > $$log 2>&1 & multi=$$!; \
+	LRL_REQUIRE_VLLM=0 $(VENV)/bin/pytest -q -m "not distributed and not vllm" --durations=10; single=$$?; \
+	wait $$multi; ranks=$$?; echo "== the multi-process and vLLM tests =="; cat $$log; rm -f $$log; \
+	test $$single -eq 0 && test $$ranks -eq 0
 
 # the unmarked tier (pyproject.toml's markers): no multi-process, learning or slow test
 test-fast: setup

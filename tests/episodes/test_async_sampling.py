@@ -26,7 +26,7 @@ from helpers import CONFIGS, ROOT, datamodule, make, run_cli, scalars
 from lightning_rl.algorithms import GRPO
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.models.generation import make_generation
-from lightning_rl.step.engine import HFEngine
+from lightning_rl.step.engine import CopyEngine, HFEngine
 
 pytestmark = pytest.mark.slow
 PROMPT_LOG = "LRL_TEST_PROMPT_LOG"
@@ -436,3 +436,33 @@ def test_a_two_rank_async_run_resumes_exactly(rank_jobs, kind):
     assert full["steps"][0][2]["tokens"] != full["steps"][1][2]["tokens"]  # the ranks' rollouts differ
     for name, value in full["weights"].items():
         torch.testing.assert_close(resumed["weights"][name], value, rtol=0, atol=1e-6, msg=name)
+
+
+class CountingCopy(CopyEngine):
+    """A copy engine that counts the learner process's weight syncs (a forked worker's own
+    copy counts in its own memory)."""
+
+    learner_syncs = 0
+
+    def sync_weights(self, policy, version=None):
+        if os.getpid() == LEARNER:
+            type(self).learner_syncs += 1
+        super().sync_weights(policy, version)
+
+
+LEARNER = os.getpid()
+
+
+@pytest.mark.slow
+def test_sampling_ahead_the_learner_publishes_and_never_refreshes_its_own_engine_copy():
+    """With a CopyEngine and ``max_staleness: 1`` the learner publishes each version to the worker and does
+    not also copy its weights into its own engine every step (under FSDP2 a second gather of every
+    parameter per step); its copy is synced when validation needs it."""
+    CountingCopy.learner_syncs = 0
+    module = make(GRPO, engine=CountingCopy("float32"), sampling={"max_staleness": 1})
+    fit(module, 4)
+    assert CountingCopy.learner_syncs == 1  # the copy filled once when built, before the worker starts
+    with tempfile.TemporaryDirectory() as root:
+        L.Trainer(logger=False, accelerator="cpu", limit_val_batches=1, enable_progress_bar=False,
+                  default_root_dir=root).validate(module, datamodule=datamodule())
+    assert CountingCopy.learner_syncs == 2  # validation samples with the trained weights

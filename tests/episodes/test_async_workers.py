@@ -73,15 +73,15 @@ class StallingEngine(HFEngine):
 
 
 def slow_reward(completions, **_):
-    time.sleep(1.6)
+    time.sleep(0.8)
     return [0.0] * len(completions)
 
 
 class SlowEngine(HFEngine):
-    """Takes 1.6 s more per generation call."""
+    """Takes 0.8 s more per generation call."""
 
     def generate(self, *args, **kwargs):
-        time.sleep(1.6)
+        time.sleep(0.8)
         return super().generate(*args, **kwargs)
 
 
@@ -182,8 +182,8 @@ def test_a_stalled_worker_stops_the_run_naming_it_its_step_and_phase(worker, sta
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_slow_step_whose_phases_report_in_time_is_not_a_stall():
-    """Generation and rewards take 1.6 s each: every step takes over the 3 s limit, each phase under it."""
-    module = make(GRPO, engine=SlowEngine(), sampling={"max_staleness": 1, "worker_timeout": 3.0},
+    """Generation and rewards take 0.8 s each: every step takes over the 1.5 s limit, each phase under it."""
+    module = make(GRPO, engine=SlowEngine(), sampling={"max_staleness": 1, "worker_timeout": 1.5},
                   rewards={"functions": ["test_async_workers:slow_reward"]})
     rewards = Rewards()
     fit(module, 2, [rewards])
@@ -262,7 +262,9 @@ def test_sigterm_while_the_learner_waits_on_a_stalled_worker_checkpoints_and_res
 
     signal_at_2 = {"class_path": "test_async_workers.SignalGroupAt",
                    "init_args": {"step": 2, "signum": int(signal.SIGTERM)}}
-    proc = cli("cut", [signal_at_2])
+    # patience after the stop request: min(worker_timeout, STOP_PATIENCE); 5 s keeps the test short, and
+    # is far above the time the worker spends in the stalling reward before the signal (one learner step)
+    proc = cli("cut", [signal_at_2], "--model.init_args.sampling.worker_timeout", "5")
     try:
         _, err = proc.communicate(timeout=180)
     finally:
