@@ -106,10 +106,12 @@ class Rewards(RLCallback):
 
 
 def fit(module, steps: int, callbacks=()) -> L.Trainer:
-    trainer = L.Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        limit_val_batches=0, accelerator="cpu", callbacks=list(callbacks),
-                        default_root_dir=tempfile.mkdtemp(prefix="lrl-async-workers-"))
-    trainer.fit(module, datamodule=datamodule())
+    """``steps`` steps of ``module``; its exported policy goes to a temporary folder, removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="lrl-async-workers-") as root:
+        trainer = L.Trainer(max_steps=steps, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, limit_val_batches=0, accelerator="cpu",
+                            callbacks=list(callbacks), default_root_dir=root)
+        trainer.fit(module, datamodule=datamodule())
     return trainer
 
 
@@ -210,7 +212,9 @@ def test_the_worker_and_its_reward_workers_die_with_the_learner(tmp_path):
     """A learner (a script) whose sampler is in the middle of an isolated reward call at step 2 is SIGKILLed:
     the sampler process and the reward worker it forked are gone within seconds (neither polls anything
     while the reward runs)."""
-    env = {**os.environ, STALL_AT: "3", MARK: str(tmp_path / "mark"), "OMP_NUM_THREADS": "1"}
+    # TMPDIR: the killed learner's temporary folders stay in the test's own
+    env = {**os.environ, STALL_AT: "3", MARK: str(tmp_path / "mark"), "OMP_NUM_THREADS": "1",
+           "TMPDIR": str(tmp_path)}
     code = ORPHAN.format(tests=str(ROOT / "tests"), here=str(HERE))
     with open(tmp_path / "stderr", "w") as stderr:  # a pipe would stay open while an orphan holds it
         proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
