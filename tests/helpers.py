@@ -174,3 +174,12 @@ def sample_round(module, batch, collectives=None, decide=True):
     seed = round_seed(module.rollouts.seed, module.trainer.fit_loop.total_batch_idx, 0, module.global_rank)
     return module.sampler(batch, module.policy_io(), seed=seed, collectives=collectives, decide=decide,
                           device=module.device)
+
+
+def gone(pid: int) -> bool:
+    """The process is dead (no /proc entry, or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] == "Z"
+    except FileNotFoundError:
+        return True

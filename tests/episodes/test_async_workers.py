@@ -12,7 +12,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
@@ -22,7 +21,8 @@ import lightning as L
 import pytest
 import torch
 import yaml
-from helpers import CONFIGS, ROOT, datamodule, make, scalars
+from helpers import CONFIGS, ROOT, gone, make, scalars
+from test_async_sampling import fit
 
 from lightning_rl.algorithms import GRPO
 from lightning_rl.algorithms.options import SamplingOptions
@@ -103,25 +103,6 @@ class Rewards(RLCallback):
 
     def on_rollout_end(self, trainer, pl_module, rollout):
         self.seen.append(rollout.rewards.tolist())
-
-
-def fit(module, steps: int, callbacks=()) -> L.Trainer:
-    """``steps`` steps of ``module``; its exported policy goes to a temporary folder, removed afterwards."""
-    with tempfile.TemporaryDirectory(prefix="lrl-async-workers-") as root:
-        trainer = L.Trainer(max_steps=steps, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, limit_val_batches=0, accelerator="cpu",
-                            callbacks=list(callbacks), default_root_dir=root)
-        trainer.fit(module, datamodule=datamodule())
-    return trainer
-
-
-def gone(pid: int) -> bool:
-    """The process is dead (no /proc entry, or a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[1][0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def wait_for(path: Path, proc: subprocess.Popen, seconds: float = 240) -> str:

@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+from helpers import gone
 
 from lightning_rl.step import forking
 from lightning_rl.step.workers import WorkerPool
@@ -34,15 +35,6 @@ def parallel_ops() -> tuple[int, float, float]:
 
 def my_pid() -> int:
     return os.getpid()
-
-
-def gone(pid: int) -> bool:
-    """The process is dead (no /proc entry, or a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[1][0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 @pytest.fixture
