@@ -21,7 +21,7 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import Strategy
 
-from lightning_rl.algorithms.input_checks import InputError
+from lightning_rl.errors import InputError
 
 PARTIAL = ".partial"  # suffix of a checkpoint being written (`--ckpt_path last` never picks it)
 PREVIOUS = ".previous"  # suffix of the folder checkpoint a new one replaces, for the moment between renames

@@ -8,6 +8,8 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_rl.errors import ConfigError
+
 ALLOW_ENV = "LRL_ALLOW_GEOMETRY_CHANGE"  # set to 1 to resume with another geometry anyway
 CHECKPOINT_KEY = "batch_geometry"
 # checkpoint key -> what the user sets
@@ -71,8 +73,6 @@ class BatchGeometry(L.Callback):
             rank_zero_warn(f"{what}. Resuming anyway ({ALLOW_ENV}): the data position and the per-rank "
                            "states now point at other rows than the interrupted run's")
             return
-        from lightning_rl.cli.main import ConfigError
-
         raise ConfigError(f"{what}. Its data position counts batches of the old geometry, so the run would "
                           "continue on other rows: resume with the checkpoint's values, or set "
                           f"{ALLOW_ENV}=1 to resume anyway")

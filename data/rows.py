@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning_rl.algorithms.input_checks import InputError
+from lightning_rl.errors import InputError
 from lightning_rl.models.loading import hub_error, hub_unreachable, looks_local
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}

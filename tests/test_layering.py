@@ -24,12 +24,17 @@ CORE = sorted(
 # a limited child process) imports the standard library alone, the lowest level.
 LAYERS = ["text", "maths", "models", "step", "episodes", "algorithms", "cli"]
 LEVEL = {**{name: i for i, name in enumerate(LAYERS)}, "losses": LAYERS.index("maths"), "sandbox": 0,
+         "errors": 0,
          **{f"sandbox_{part}": 0 for part in ("child", "kernel", "hook", "processes")},
          **{f"code_judge{part}": 0  # the reward code_tests, beside the sandbox
                                 for part in ("", "_plan", "_harness", "_values", "_rewrite")}}
 # the Lightning plugins: only algorithms (default callbacks, the predict writer, the row locator) and the
 # CLI name them, inside functions, so that importing the core never imports them
 PLUGINS = {"data", "callbacks"}
+# what the plugins may import: the layers up to the episodes (the rollout, the stream's encoders) and the
+# exception types (``lightning_rl.errors``); never the algorithms or the CLI, which import them
+PLUGIN_LEVEL = LEVEL["episodes"]
+PLUGIN_FILES = sorted([*(ROOT / "data").glob("*.py"), *(ROOT / "callbacks").glob("*.py")])
 # files whose imports must not name another module's private (``_``) names
 PUBLIC_IMPORTS = sorted(
     str(p.relative_to(ROOT))
@@ -82,6 +87,51 @@ def test_an_upward_import_is_caught():
         "lightning_rl/step/probe.py:2 (step) imports lightning_rl.callbacks"]
     lazy_plugin = "def f():\n    from lightning_rl.callbacks import ExportPolicy\n"
     assert layer_violations(PACKAGE / "algorithms" / "probe.py", lazy_plugin) == []
+
+
+def plugin_violations(path: Path, source: str | None = None) -> list[str]:
+    """The imports of a ``data`` or ``callbacks`` module (inside functions too) above :data:`PLUGIN_LEVEL`,
+    or of the other plugin."""
+    mine = path.parent.name
+    source = path.read_text() if source is None else source
+    found = imported_layers(source)
+    tree = ast.parse(source)  # the plugins import each other as ``lightning_rl.<plugin>`` or by folder name
+    for node in ast.walk(tree):
+        absolute = isinstance(node, ast.ImportFrom) and node.module and not node.level
+        names = ([node.module] if absolute else
+                 [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        found += [(node.lineno, name.split(".")[0], True) for name in names if name.split(".")[0] in PLUGINS]
+    return [f"{path.relative_to(ROOT)}:{line} ({mine}) imports {layer}" for line, layer, _ in found
+            if (layer in PLUGINS and layer != mine) or (layer not in PLUGINS and LEVEL[layer] > PLUGIN_LEVEL)]
+
+
+@pytest.mark.parametrize("path", PLUGIN_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_plugins_import_only_the_layers_below_the_algorithms(path):
+    assert not plugin_violations(path)
+
+
+def test_a_plugin_importing_upward_is_caught_and_no_package_cycle_remains():
+    """A callback raising the CLI's error from inside a function was the last package cycle (cli -> callbacks
+    -> cli); the check sees imports inside functions. With the plugins below the algorithms and the core
+    importing them only from the algorithms up, the package graph has no cycle."""
+    upward = "def f():\n    from lightning_rl.cli.main import ConfigError\n"
+    assert plugin_violations(ROOT / "callbacks" / "probe.py", upward) == [
+        "callbacks/probe.py:2 (callbacks) imports cli"]
+    assert plugin_violations(ROOT / "data" / "probe.py", "from lightning_rl.errors import InputError\n") == []
+    def room(name: str) -> str:  # the sandbox's modules and the code judge beside it are one room
+        return "sandbox" if name.startswith(("sandbox", "code_judge")) else name
+
+    edges = {(room(p.relative_to(PACKAGE).parts[0] if len(p.relative_to(PACKAGE).parts) > 1 else p.stem),
+              room(layer)) for p in PACKAGE.rglob("*.py") for _, layer, _ in imported_layers(p.read_text())}
+    edges |= {(p.parent.name, room(layer)) for p in PLUGIN_FILES
+              for _, layer, _ in imported_layers(p.read_text())}
+    packages = {a for a, _ in edges} | {b for _, b in edges}
+    # repeatedly drop packages that import nothing left: a cycle is what remains
+    left = {a: {b for x, b in edges if x == a and b != a} for a in packages}
+    while any(not deps for deps in left.values()):
+        done = {a for a, deps in left.items() if not deps}
+        left = {a: deps - done for a, deps in left.items() if a not in done}
+    assert not left, f"package cycle among {sorted(left)}"
 
 
 def test_every_subpackage_is_a_layer():

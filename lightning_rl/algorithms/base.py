@@ -17,12 +17,13 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_rl.algorithms.evaluation import Completions, EvaluationSteps
-from lightning_rl.algorithms.input_checks import InputError, check_scoring_columns
+from lightning_rl.algorithms.input_checks import check_scoring_columns
 from lightning_rl.algorithms.options import PolicyOptions, ValidationOptions
 from lightning_rl.algorithms.presets import BASE_MOVED_KEYS
 from lightning_rl.algorithms.trained import TrainedModule
 from lightning_rl.episodes.runner import EpisodeRunner
 from lightning_rl.episodes.sampler import PolicyIO, run_episodes
+from lightning_rl.errors import InputError
 from lightning_rl.models.adapters import (
     allow_missing_frozen,
     drop_frozen_weights,

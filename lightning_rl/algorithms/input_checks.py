@@ -10,7 +10,8 @@ instead of failing inside a library at its first step (or, for ``lr: 0``, traini
 * :func:`warn_if_lr_is_zero`: an optimiser whose learning rate is 0 in every parameter group, for the whole
   run, moves no weight: a warning names the key.
 
-Errors found while setting up ``fit`` are :class:`InputError`; ``lightning-rl`` prints them as one line.
+Errors found while setting up ``fit`` are :class:`lightning_rl.errors.InputError`; ``lightning-rl`` prints
+them as one line.
 """
 
 from __future__ import annotations
@@ -21,17 +22,12 @@ from typing import Any, NamedTuple
 
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_rl.errors import InputError
+
 # what reward functions are given besides the data's columns (``RewardPipeline.score``)
 REWARD_EXTRAS = ("prompts", "completions", "completion_lengths")
 CORRECTNESS_EXTRAS = ("prompts", "completions")
 LR_KEY = "model.init_args.optimizer.init_args.lr"
-
-
-class InputError(ValueError):
-    """The data or the model does not fit the config, found while setting up ``fit`` (before any step).
-
-    ``lightning_rl.cli.main.main`` prints it as one ``lightning-rl: error: ...`` line and exits with status 1.
-    """
 
 
 def function_name(fn: Callable[..., Any]) -> str:

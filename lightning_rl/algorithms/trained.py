@@ -16,8 +16,9 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_rl.algorithms.input_checks import InputError, warn_if_lr_is_zero
+from lightning_rl.algorithms.input_checks import warn_if_lr_is_zero
 from lightning_rl.algorithms.presets import with_changes
+from lightning_rl.errors import InputError
 from lightning_rl.models.adapters import is_peft_model, trainable_parameters
 from lightning_rl.models.sharding import refuse_fsdp1, shard_policy_model, strategy_is
 from lightning_rl.step.rng import collect_rng_states, restore_rng_states

@@ -1,8 +1,9 @@
-"""The ``lightning-rl`` command's checks around parsing, and :class:`ConfigError`, the one-line error of a run
-that cannot start. Before parsing, a command-line ``null`` for a group's field is rewritten so that
-jsonargparse takes it (:func:`group_nulls`) and a config that sets ``model.policy.peft`` without peft
-installed is refused; after it, the ``--ckpt_path`` file and a DeepSpeed strategy's package are checked:
-one line each instead of the longer message jsonargparse or Lightning would give."""
+"""The ``lightning-rl`` command's checks around parsing; a run that cannot start raises
+:class:`lightning_rl.errors.ConfigError` (one line). Before parsing, a command-line ``null`` for a group's
+field is rewritten so that jsonargparse takes it (:func:`group_nulls`) and a config that sets
+``model.policy.peft`` without peft installed is refused; after it, the ``--ckpt_path`` file and a DeepSpeed
+strategy's package are checked: one line each instead of the longer message jsonargparse or Lightning would
+give."""
 
 from __future__ import annotations
 
@@ -15,16 +16,10 @@ from typing import Any
 import yaml
 
 from lightning_rl.cli.resume import checkpoint_file_problem
+from lightning_rl.errors import ConfigError
 
 # values of `--ckpt_path` that Lightning resolves itself, not paths
 CKPT_KEYWORDS = ("last", "best", "hpc")
-
-
-class ConfigError(ValueError):
-    """A run that cannot start: a value its classes reject, or a checkpoint that is missing or unreadable.
-
-    Raised before training begins; ``main`` prints it as one line and exits with status 1.
-    """
 
 
 GROUP_FIELD = re.compile(r"^--model\.(?:init_args\.)?([a-z_]+)\.([a-z_]+)$")

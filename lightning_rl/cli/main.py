@@ -33,11 +33,9 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_rl.algorithms.input_checks import InputError
 from lightning_rl.algorithms.trained import TrainedModule
 from lightning_rl.cli import rank_failures
 from lightning_rl.cli.checks import (
-    ConfigError,
     check_checkpoint_file,
     check_peft_installed,
     check_strategy_installed,
@@ -50,6 +48,7 @@ from lightning_rl.cli.resume import (
     naming_the_file,
     newest_readable_checkpoint,
 )
+from lightning_rl.errors import ConfigError, InputError
 
 DEFAULT_LOGGER = {
     "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
