@@ -28,13 +28,14 @@ from lightning_rl.models.builtin import (
     build_char_tokenizer,
     tiny_llama_config,
 )
+from lightning_rl.models.model_utils import DTYPES
 
 if TYPE_CHECKING:
     from lightning_rl.models.policy import Policy
 
 T = TypeVar("T")
 # `dtype` values of the YAML (`model.policy.dtype`, ...) and what `from_pretrained(dtype=...)` receives
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+FROM_PRETRAINED_DTYPES: dict[str, torch.dtype | str] = {**DTYPES, "auto": "auto"}
 LOCAL_HINT = "a local save_pretrained folder (e.g. `./my-model`)"
 # Endings that make a value a file path, never a hub id (hub names may hold dots: `Qwen/Qwen2.5-0.5B`).
 FILE_SUFFIXES = (
@@ -232,15 +233,17 @@ def load_pretrained(
 
 
 def torch_dtype(dtype: str | None, key: str) -> torch.dtype | str:
-    """The ``dtype`` argument of ``from_pretrained`` for a config value: one of :data:`DTYPES`' names, or
+    """The ``dtype`` argument of ``from_pretrained`` for a config value: one of
+    :data:`FROM_PRETRAINED_DTYPES`' names, or
     None for float32 (``transformers`` 5 alone would default to ``"auto"``, the checkpoint's dtype).
 
     Raises:
         ValueError: another name, naming ``key``.
     """
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"`{key}`: dtype must be one of {sorted(DTYPES)} or None, got {dtype!r}")
-    return DTYPES[dtype or "float32"]
+    if dtype is not None and dtype not in FROM_PRETRAINED_DTYPES:
+        raise ValueError(f"`{key}`: dtype must be one of {sorted(FROM_PRETRAINED_DTYPES)} or None, "
+                         f"got {dtype!r}")
+    return FROM_PRETRAINED_DTYPES[dtype or "float32"]
 
 
 def load_policy(

@@ -12,8 +12,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+# the one table from a config's dtype name to torch's (``from_pretrained`` also takes ``auto``, the
+# checkpoint's own: ``lightning_rl.models.loading.FROM_PRETRAINED_DTYPES``)
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                                  "float16": torch.float16}
 
 
 def position_ids(mask: Tensor) -> Tensor:

@@ -24,13 +24,11 @@ from transformers import (
 
 from lightning_rl.models.adapters import is_peft_model
 from lightning_rl.models.generation import Generation, SamplingParams, completion_mask, hf_generate
+from lightning_rl.models.loading import FROM_PRETRAINED_DTYPES
 from lightning_rl.models.model_utils import disable_dropout, enable_gradient_checkpointing
 from lightning_rl.models.scoring import ReferencePolicy, TokenScorer
 
 __all__ = ["Generation", "Policy", "completion_mask"]
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
-
 
 def _model_kwargs(
     dtype: str | None, trust_remote_code: bool, revision: str | None, attn_implementation: str | None,
@@ -41,9 +39,9 @@ def _model_kwargs(
     Raises:
         ValueError: on an unknown ``dtype``.
     """
-    if dtype is not None and dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or None, got {dtype!r}")
-    kwargs = {"dtype": _DTYPES[dtype or "float32"], "trust_remote_code": trust_remote_code,
+    if dtype is not None and dtype not in FROM_PRETRAINED_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(FROM_PRETRAINED_DTYPES)} or None, got {dtype!r}")
+    kwargs = {"dtype": FROM_PRETRAINED_DTYPES[dtype or "float32"], "trust_remote_code": trust_remote_code,
               "local_files_only": local_files_only}
     if revision is not None:
         kwargs["revision"] = revision

@@ -33,18 +33,18 @@ import torch
 from torch import nn
 
 from lightning_rl.models.adapters import is_peft_model, merged_model
+from lightning_rl.models.model_utils import DTYPES
 
 FSDP2_OVERLAY = "configs/strategy/fsdp2.yaml"
 # strategies whose weights may be sharded: generation must then keep every rank stepping
 SHARDED_STRATEGIES = ("ModelParallelStrategy", "FSDPStrategy", "DeepSpeedStrategy")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def validate_fsdp_args(param_dtype: str | None, reduce_dtype: str | None) -> None:
     """Config errors naming the YAML key."""
     for key, value in {"fsdp_param_dtype": param_dtype, "fsdp_reduce_dtype": reduce_dtype}.items():
-        if value is not None and value not in _DTYPES:
-            raise ValueError(f"`model.policy.{key}` must be one of {sorted(_DTYPES)} or null, got {value!r}")
+        if value is not None and value not in DTYPES:
+            raise ValueError(f"`model.policy.{key}` must be one of {sorted(DTYPES)} or null, got {value!r}")
 
 
 def fsdp_module_class() -> type:
@@ -199,7 +199,7 @@ def _fully_shard_kwargs(
     }
     if param_dtype is not None or reduce_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=_DTYPES.get(param_dtype or ""), reduce_dtype=_DTYPES.get(reduce_dtype or "")
+            param_dtype=DTYPES.get(param_dtype or ""), reduce_dtype=DTYPES.get(reduce_dtype or "")
         )
     return kwargs
 

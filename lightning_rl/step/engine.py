@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_rl.models.generation import Generation, SamplingParams, hf_generate
-from lightning_rl.models.model_utils import base_model
+from lightning_rl.models.model_utils import DTYPES, base_model
 from lightning_rl.models.sampling import drawing_from
 
 if TYPE_CHECKING:
@@ -233,11 +233,10 @@ class CopyEngine(HFEngine):
 
     def __init__(self, dtype: str = "bfloat16", compact: bool | None = None) -> None:
         super().__init__(compact)
-        choices = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-        if dtype not in choices:
-            raise ValueError(f"`model.engine.init_args.dtype` must be one of {sorted(choices)}, "
+        if dtype not in DTYPES:
+            raise ValueError(f"`model.engine.init_args.dtype` must be one of {sorted(DTYPES)}, "
                              f"got {dtype!r}")
-        self.dtype = choices[dtype]
+        self.dtype = DTYPES[dtype]
         self.copy: Any = None  # a Policy around the engine's own model
         self.source: Any = None  # the trained Policy it copies
 

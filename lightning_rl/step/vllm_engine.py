@@ -32,7 +32,7 @@ from torch import Tensor
 
 from lightning_rl.models.adapters import is_peft_model
 from lightning_rl.models.generation import Generation, SamplingParams, make_generation
-from lightning_rl.models.model_utils import base_model
+from lightning_rl.models.model_utils import DTYPES, base_model
 from lightning_rl.models.sharding import is_sharded
 from lightning_rl.step.engine import RolloutEngine
 from lightning_rl.step.vllm_colocated import EXTENSION, KEY, ColocatedLLM
@@ -48,7 +48,6 @@ from lightning_rl.step.vllm_weights import (
 if TYPE_CHECKING:
     from lightning_rl.models.policy import Policy
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INHERITED: list[Any] = []  # engines a forked process inherited from its parent: kept, never used
 
 
