@@ -305,6 +305,9 @@ def main() -> None:
                         help="bf16: ours with configs/precision/bf16.yaml (bf16 engine, bf16-mixed training, "
                              "correction), TRL with bf16=True, the bare loop under bf16 autocast")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kl-coef", type=float, default=None,
+                        help="the KL coefficient of every runner instead of the workload's 0.04 (0: no reference "
+                             "in any runner, and rows whose group scored alike carry no gradient)")
     parser.add_argument("--out", default=None, help="write every run's figures and the summary as JSON here")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per runner process")
     parser.add_argument("--keep", action="store_true", help="keep the runners' logs (printed path)")
@@ -327,6 +330,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     spec = prepare(args.workload)
+    if args.kl_coef is not None:
+        spec["kl_coef"] = args.kl_coef
     workdir = Path(tempfile.mkdtemp(prefix=f"vs-trl-{args.workload}-"))
     spec.update(steps=args.steps, warmup=1, threads=args.threads, seed=args.seed, tmp=str(workdir),
                 precision=args.precision)

@@ -27,7 +27,7 @@ class RolloutCorrection:
     """The correction-weights stage (``model.init_args.logprobs.correction``).
 
     Applied when a rollout carries the engine's ``rollout_logp`` and the trainer recomputed ``old_logp``
-    (decoupled: engine, behaviour and current policy are three); with ``behaviour_logp: from_engine``
+    (decoupled: engine, behaviour and current policy are three); with ``logprobs.behaviour: from_engine``
     (bypass) the engine is the behaviour policy and nothing needs correcting.
 
     Args:

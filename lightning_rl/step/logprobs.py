@@ -65,8 +65,8 @@ def resolve_behaviour(source: str, updates_per_rollout: int, engine: Any) -> str
     exact = updates_per_rollout == 1 and (engine.is_trained_module or engine.returns_logprobs)
     if source == "on_policy" and not exact:
         raise ValueError("`model.logprobs.behaviour: on_policy` is only exact with one update per rollout "
-                         "(ppo_epochs * num_minibatches == 1) from an engine that samples with the trained "
-                         "module or returns its log-probs; use `recompute`")
+                         "(`model.update.epochs` x `model.update.num_minibatches` == 1) from an engine that "
+                         "samples with the trained module or returns its log-probs; use `recompute`")
     if source == "auto":  # an engine sampling ahead: its gap weighed in the loss, with no separate pass
         cheap = engine.is_trained_module or engine.samples_ahead or engine.corrects_in_loss
         return "on_policy" if exact and cheap else "recompute"
