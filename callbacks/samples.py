@@ -107,9 +107,10 @@ class LogSamples(RLCallback):
     Train rows come from the step's rollout (one sample per prompt first, so different prompts show),
     with the rollout's rewards (shaped, as trained on) and correctness. Validation rows are the first
     ``num_samples`` greedy completions of the first validation batch, scored with the module's
-    ``sample_rewards`` (its rewards pipeline's, unshaped, an episode's returns included; correctness for
-    modules without rewards) and ``correct``; modules whose ``validation_step`` returns no completions
-    (DPO, reward models) get no validation table. Both tables are logged at ``trainer.global_step``.
+    ``evaluator.sample_rewards`` (its rewards pipeline's, unshaped, an episode's returns included;
+    correctness for modules without rewards) and ``correct``; modules whose ``validation_step`` returns no
+    completions (DPO, reward models) get no validation table. Both tables are logged at
+    ``trainer.global_step``.
 
     Only rank 0 writes, and only through a ``TensorBoardLogger`` (``logger.experiment.add_text``); with
     any other logger, or none, the callback does nothing (a log line says so once).
@@ -170,9 +171,9 @@ class LogSamples(RLCallback):
         columns = {name: list(values[:k]) for name, values in outputs["columns"].items()}
         returns = outputs.get("returns")  # episodes: the environment's rewards, which the reward includes
         failed = outputs.get("failed")
-        rewards = pl_module.sample_rewards(prompts, completions, list(outputs["lengths"][:k]), columns,
-                                           None if returns is None else list(returns[:k]),
-                                           None if failed is None else list(failed[:k]))
+        rewards = pl_module.evaluator.sample_rewards(
+            prompts, completions, list(outputs["lengths"][:k]), columns,
+            None if returns is None else list(returns[:k]), None if failed is None else list(failed[:k]))
         table = markdown_table(pl_module.shown_prompts(prompts), completions, rewards,
                                list(outputs["correct"][:k]), self.max_chars, columns.get("turns"))
         self.write(trainer, "samples/val", table)

@@ -3,7 +3,7 @@
 ``PolicyModule`` is the base of every LightningModule here (SFT, DPO and the online RL family). The
 ``__init__`` signature is the config schema: LightningCLI turns its typed groups
 (``lightning_rl.algorithms.options``) into YAML mappings under ``model.init_args``. Its
-validation and predict steps are the mixin :class:`~lightning_rl.algorithms.evaluation.EvaluationSteps`.
+validation and predict steps log what an :class:`~lightning_rl.algorithms.evaluation.Evaluator` returns.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_rl.algorithms.evaluation import Completions, EvaluationSteps
+from lightning_rl.algorithms.evaluation import Completions, Evaluator, predict_sampling
 from lightning_rl.algorithms.input_checks import check_scoring_columns
 from lightning_rl.algorithms.options import PolicyOptions, ValidationOptions
 from lightning_rl.algorithms.presets import BASE_MOVED_KEYS
@@ -48,7 +48,7 @@ from lightning_rl.text.prompts import render_prompts
 TOKENIZER_LOCK = threading.RLock()
 
 
-class PolicyModule(EvaluationSteps, TrainedModule):
+class PolicyModule(TrainedModule):
     """Base LightningModule: owns the ``Policy`` and evaluates it greedily on held-out prompts.
 
     Args:
@@ -65,6 +65,9 @@ class PolicyModule(EvaluationSteps, TrainedModule):
     """
 
     moved_keys: ClassVar[dict[str, str]] = BASE_MOVED_KEYS
+    accuracy_name: str
+    correctness_fn: Any  # what decides `val/accuracy` and predictions' `correct` (``accuracy_fn`` unless set)
+    reward_pipeline: Any = None  # RL modules: their rewards (a ``RewardPipeline``); else correctness is shown
 
     def __init__(
         self,
@@ -171,7 +174,29 @@ class PolicyModule(EvaluationSteps, TrainedModule):
                     lengths[i] = len(ids)
         return lengths
 
-    # ---- prompts and validation ----------------------------------------------------------------
+    # ---- validation and predict: an evaluator's results, logged --------------------------------------
+    @property
+    def evaluator(self) -> Evaluator:
+        """Greedy validation and predict with the module's completions, correctness and rewards (as now)."""
+        return Evaluator(self.complete, self.correctness_fn, self.sampling_params(do_sample=False),
+                         self.reward_pipeline)
+
+    def validation_step(self, batch: dict[str, list], batch_idx: int) -> dict[str, Any]:
+        """``val/accuracy`` (and ``val/reward_mean`` with rewards) of greedy completions; returns what
+        callbacks may show (``LogSamples``)."""
+        means, shown = self.evaluator.validate(batch)
+        for name, (value, rows) in means.items():
+            self.log_val_mean(name, value.to(self.device), rows)
+        return shown
+
+    def predict_step(self, batch: dict[str, list], batch_idx: int) -> list[dict[str, Any]]:
+        """Scored completions of the batch's prompts, as the ``WritePredictions`` callback asks (greedy, or
+        ``num_generations`` samples each at its temperature): one row per sample of a real prompt."""
+        n, sampling = predict_sampling(self.trainer.callbacks, getattr(self, "sampling", None),
+                                       self.sampling_params)
+        return self.evaluator.predict(batch, n, sampling)
+
+    # ---- prompts ---------------------------------------------------------------------------------
     def add_special_tokens(self, prompts: Sequence[Any]) -> list[bool]:
         """Per prompt: chat templates already hold BOS and friends; plain prompts get the tokenizer's
         specials (decided row by row, so a row's tokens never depend on the rest of its batch)."""

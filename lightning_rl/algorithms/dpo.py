@@ -231,7 +231,7 @@ class DPO(ReferenceScoring, PolicyModule):
         gen = self.generate_tokens(enc.prompt_ids[:n], enc.prompt_mask[:n],
                                    sampling=self.sampling_params(do_sample=False))
         completions = self.decode(gen.completion_ids, gen.completion_mask)
-        scores = self.correct(batch["prompt"], completions, batch_columns(batch))
+        scores = self.evaluator.correct(batch["prompt"], completions, batch_columns(batch))
         self.log_val_mean("val/accuracy", torch.tensor([float(x) for x in scores]).mean(), weight)
 
 

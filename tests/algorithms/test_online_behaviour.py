@@ -369,7 +369,7 @@ def test_correctness_follows_the_main_reward_unless_accuracy_fn_is_set(caplog):
 
     numeric = make(rewards={"functions": ["lightning_rl.step.rewards:numeric_match"]})
     columns = {"answer": ["12", "12"]}
-    assert numeric.correct(["q", "q"], ["so it is 12", "13"], columns) == [True, False]
+    assert numeric.evaluator.correct(["q", "q"], ["so it is 12", "13"], columns) == [True, False]
     assert numeric.correctness_fn is numeric.accuracy_fn
     assert "numeric_match (correct at its full score" in numeric.accuracy_name
     weighted = make(rewards={"functions": ["lightning_rl.step.rewards:exact_match",
@@ -377,7 +377,7 @@ def test_correctness_follows_the_main_reward_unless_accuracy_fn_is_set(caplog):
     assert weighted.accuracy_name.startswith("lightning_rl.step.rewards:numeric_match")
     explicit = make(rewards={"functions": ["lightning_rl.step.rewards:numeric_match"],
                              "accuracy_fn": "lightning_rl.step.rewards:exact_match"})
-    assert explicit.correct(["q"], ["so it is 12"], {"answer": ["12"]}) == [False]
+    assert explicit.evaluator.correct(["q"], ["so it is 12"], {"answer": ["12"]}) == [False]
     assert explicit.accuracy_name == "lightning_rl.step.rewards:exact_match"
 
 
