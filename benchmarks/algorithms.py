@@ -2,7 +2,10 @@
 
     OMP_NUM_THREADS=1 LRL_NUM_THREADS=1 python benchmarks/algorithms.py [sft grpo gspo dapo sapo dpo ppo ...]
 
-A name ``a+b/c`` runs ``configs/a.yaml`` with the overlay ``configs/b/c.yaml`` (e.g. ``grpo+precision/bf16``).
+A name ``a+b/c`` runs ``configs/a.yaml`` with the overlay ``configs/b/c.yaml`` (e.g. ``grpo+precision/bf16``;
+the objective options of ``configs/objectives/``: ``grpo+objectives/dppo``, ``grpo+objectives/high_entropy``,
+``grpo+objectives/clip_cov``, ``grpo+objectives/kl_cov``, ``grpo+objectives/opsm``, or ``objectives`` for all
+five).
 
 ``reward_model`` reports held-out pair accuracy (``val/rm/accuracy``); ``ppo_rm`` uses the reward model that
 the ``reward_model`` run of the same invocation exported (it runs one first if none was asked for earlier).
@@ -74,7 +77,11 @@ def run(name: str) -> dict:
     return result
 
 
+OBJECTIVES = [f"grpo+objectives/{p.stem}" for p in sorted((ROOT / "configs" / "objectives").glob("*.yaml"))]
+
+
 def main(names: list[str]) -> None:
+    names = [n for name in names for n in (OBJECTIVES if name == "objectives" else [name])]
     print("| config | val/accuracy start | val/accuracy end | optimiser steps | wall time (s) |")
     print("|---|---|---|---|---|")
     for name in names:

@@ -64,16 +64,18 @@ def smollm2_overlay(args: argparse.Namespace, run: Path, name: str, update: dict
             "objective": {"kl_coef": 0.0},
             "rewards": {"functions": ["lightning_rl.step.rewards:numeric_match"]},
             "update": update,
-            "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-6, "weight_decay": 0.0}},
+            "optimizer": {"class_path": "torch.optim.AdamW",
+                          "init_args": {"lr": 1e-6, "weight_decay": 0.0}},
         }},
-        "data": {"init_args": {"path": str(train), "val_path": str(val), "batch_size": 8, "val_batch_size": 16}},
+        "data": {"init_args": {"path": str(train), "val_path": str(val), "batch_size": 8,
+                               "val_batch_size": 16}},
     }
 
 
 def tools_overlay(args: argparse.Namespace, run: Path, name: str, update: dict[str, Any]) -> dict[str, Any]:
-    return {"trainer": {"max_steps": args.steps, "val_check_interval": 10_000, "num_sanity_val_steps": 0,
-                        "enable_checkpointing": False, "logger": real_model.loggers(run, name), "callbacks": []},
-            "model": {"init_args": {"update": update}}}
+    trainer = {"max_steps": args.steps, "val_check_interval": 10_000, "num_sanity_val_steps": 0,
+               "enable_checkpointing": False, "logger": real_model.loggers(run, name), "callbacks": []}
+    return {"trainer": trainer, "model": {"init_args": {"update": update}}}
 
 
 TASKS = {"smollm2": (ROOT / "configs" / "grpo.yaml", smollm2_overlay, 128 + 16),
@@ -116,7 +118,8 @@ def main() -> None:
     facts = f"{torch.backends.cpu.get_cpu_capability()}, nproc {os.cpu_count()}, " \
             f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
     print(f"\n{args.task}, {args.steps} steps ({facts})\n")
-    print("| variant | update s | step s | pad_frac | skipped rows | peak RSS MB |\n|---|---|---|---|---|---|")
+    print("| variant | update s | step s | pad_frac | skipped rows | peak RSS MB |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['variant']} | {r['perf/update_time']} | {r['perf/step_time']} | {r['perf/pad_frac']} | "
               f"{r['perf/skipped_rows_frac']} | {r['peak_rss_mb']} |")

@@ -306,8 +306,8 @@ def main() -> None:
                              "correction), TRL with bf16=True, the bare loop under bf16 autocast")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kl-coef", type=float, default=None,
-                        help="the KL coefficient of every runner instead of the workload's 0.04 (0: no reference "
-                             "in any runner, and rows whose group scored alike carry no gradient)")
+                        help="the KL coefficient of every runner instead of the workload's 0.04 (0: no "
+                             "reference in any runner, and rows whose group scored alike carry no gradient)")
     parser.add_argument("--out", default=None, help="write every run's figures and the summary as JSON here")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per runner process")
     parser.add_argument("--keep", action="store_true", help="keep the runners' logs (printed path)")

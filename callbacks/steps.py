@@ -1,8 +1,8 @@
 """A step is one optimiser step everywhere: in ``max_steps``, on the logger's x-axis and on the progress bar.
 
 With manual optimisation (the online RL modules) one trainer batch is one rollout that may take several
-optimiser steps (``update.epochs * update.num_minibatches``); Lightning logs such runs at the batch count and its
-progress bar counts batches, while ``max_steps`` and ``trainer.global_step`` count optimiser steps.
+optimiser steps (``update.epochs * update.num_minibatches``); Lightning logs such runs at the batch count
+and its progress bar counts batches, while ``max_steps`` and ``trainer.global_step`` count optimiser steps.
 """
 
 from __future__ import annotations

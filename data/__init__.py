@@ -7,8 +7,9 @@ if __name__ != "lightning_rl.data":  # the folder sits at the repo root; `data` 
     )
 
 from lightning_rl.data.calc_task import MultiplyTask  # noqa: E402
+from lightning_rl.data.curriculum import Curriculum  # noqa: E402
 from lightning_rl.data.preference import PreferenceDataModule  # noqa: E402
 from lightning_rl.data.prompts import PromptDataModule  # noqa: E402
 from lightning_rl.data.sort_task import SortTask  # noqa: E402
 
-__all__ = ["MultiplyTask", "PreferenceDataModule", "PromptDataModule", "SortTask"]
+__all__ = ["Curriculum", "MultiplyTask", "PreferenceDataModule", "PromptDataModule", "SortTask"]

@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_rl.data.calc_task import MultiplyTask, tool_trace_rows
+from lightning_rl.data.curriculum import Curriculum, CurriculumTracker
 from lightning_rl.data.rows import check_rows, load_rows, row_locator
 from lightning_rl.data.sort_task import SortTask
 from lightning_rl.data.validation import ValidationShard
@@ -170,6 +171,9 @@ class PromptDataModule(RowsDataModule):
             exactly, as a plain ``multiply`` prompt would score the tool call, never the answer.
         seed: seed of the training order.
         shuffle: shuffle the training rows each epoch.
+        curriculum: draw the training prompts by their recent pass rate instead of in epochs
+            (:mod:`lightning_rl.data.curriculum`: the pools, the feedback rule, checkpoints, ranks); its
+            ``curriculum/*`` statistics are logged every step. Online RL modules only. ``None``: off.
     """
 
     def __init__(
@@ -189,6 +193,7 @@ class PromptDataModule(RowsDataModule):
         shuffle: bool = True,
         predict_path: str | None = None,
         task: Literal["sort", "multiply", "multiply_tool_traces"] = "sort",
+        curriculum: Curriculum | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -208,6 +213,9 @@ class PromptDataModule(RowsDataModule):
             self.task = MultiplyTask(seed=seed)
         self.refills_consumed = 0  # batches drawn by dynamic sampling, from a separately seeded stream
         self._refill: Iterator[dict[str, list]] | None = None
+        self.curriculum = curriculum
+        self.tracker: CurriculumTracker | None = None  # built with the rows; its state may come first
+        self._curriculum_state: list[dict[str, Any]] | None = None
 
     def setup(self, stage: str | None = None) -> None:
         columns = {"data.prompt_column": self.prompt_column, "data.answer_column": self.answer_column}
@@ -237,6 +245,9 @@ class PromptDataModule(RowsDataModule):
             self.val_rows = self.val_rows[: self.max_val_rows]
         self.train_rows = [self._canonical(r) for r in self.train_rows]
         self.val_rows = [self._canonical(r) for r in self.val_rows]
+        if self.curriculum is not None:
+            self.tracker = CurriculumTracker(self.curriculum, len(self.train_rows), self.seed + 104729)
+            self._restore_curriculum()
 
     def _canonical(self, row: dict[str, Any]) -> dict[str, Any]:
         """Expose the configured columns as ``prompt`` and ``answer``; keep every other column."""
@@ -255,10 +266,26 @@ class PromptDataModule(RowsDataModule):
         self.refills_consumed += 1
         return next(self._refill)
 
+    def train_dataloader(self) -> DataLoader:
+        if self.tracker is None:
+            return super().train_dataloader()
+        self.tracker.loader = self.tracker.stream(self.train_rows, self.batch_size, *self.rank_and_world(),
+                                                  self.batches_consumed, collate)
+        return DataLoader(self.tracker.loader, batch_size=None, num_workers=0)
+
     def train_batches(self, start: int) -> Iterator[dict[str, list]]:
         """This rank's training batches from batch index ``start`` on, as the train loader yields them
-        (for a sampler that runs ahead of the training steps)."""
+        (for a sampler that runs ahead of the training steps). With a curriculum, ``start`` is the next step
+        to train, and the iterator's ``record(step, pass_rates)`` takes the outcomes of the steps it drew."""
+        if self.tracker is not None:
+            return iter(self.tracker.stream(self.train_rows, self.batch_size, *self.rank_and_world(), start,
+                                            collate))
         return iter(self.stream(self.seed, start))
+
+    def record_outcomes(self, step: int, pass_rates: list[float]) -> dict[str, float]:
+        """The pass rate of each prompt of trained step ``step`` (batch order), for the curriculum; returns
+        its ``curriculum/*`` statistics (none without a curriculum)."""
+        return {} if self.tracker is None else self.tracker.record(step, pass_rates, *self.rank_and_world())
 
     def refill_batches(self, start: int) -> Iterator[dict[str, list]]:
         """This rank's refill batches (dynamic sampling) from refill ``start`` on."""
@@ -278,6 +305,13 @@ class PromptDataModule(RowsDataModule):
             device = trainer.strategy.root_device
             mine = torch.tensor([self.refills_consumed], dtype=torch.long, device=device)
             state["refills_consumed_by_rank"] = [int(x) for x in trainer.strategy.all_gather(mine).flatten()]
+        if self.tracker is not None:  # every rank's pass rates (each keeps its shard's)
+            mine_rates = self.tracker.state_dict(state["batches_consumed"])
+            by_rank = [mine_rates]
+            if trainer is not None and trainer.world_size > 1:
+                by_rank = [None] * trainer.world_size
+                torch.distributed.all_gather_object(by_rank, mine_rates)
+            state["curriculum_by_rank"] = by_rank
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -294,6 +328,19 @@ class PromptDataModule(RowsDataModule):
         else:
             self.refills_consumed = int(state_dict.get("refills_consumed", 0))
         self._refill = None
+        self._curriculum_state = state_dict.get("curriculum_by_rank")
+        self._restore_curriculum()
+
+    def _restore_curriculum(self) -> None:
+        """The checkpoint's pass rates, once both they and the rows are here; a checkpoint without them (the
+        curriculum turned on at resume) starts from no outcomes at the next step."""
+        if self.tracker is None:
+            return
+        if self._curriculum_state is not None:
+            self.tracker.load_state_dict(self._curriculum_state, *self.rank_and_world(),
+                                         self.batches_consumed)
+        else:
+            self.tracker.trained.applied = self.batches_consumed
 
 
 TASKS = ("sort", "multiply", "multiply_tool_traces")

@@ -46,6 +46,16 @@ from lightning_rl.maths.rollout_weights import (
     rollout_is_weights,
     rollout_mismatch_stats,
 )
+from lightning_rl.maths.token_selection import (
+    TokenSelection,
+    clip_cov_mask,
+    high_entropy_mask,
+    kl_cov_mask,
+    off_policy_sequence_mask,
+    quantile_count,
+    token_covariance,
+    token_keys,
+)
 from lightning_rl.maths.trust_regions import (
     SAPO_LOG_RATIO_CLAMP,
     TRUST_REGION_INPUTS,
@@ -53,7 +63,10 @@ from lightning_rl.maths.trust_regions import (
     Surrogate,
     TrustRegion,
     cispo_surrogate,
+    clip_cov_surrogate,
     clipped_surrogate,
+    dppo_surrogate,
+    kl_cov_surrogate,
     soft_gate_surrogate,
     trust_region_options,
 )
@@ -69,5 +82,7 @@ __all__ = [
     "token_rewards", "whiten", "SAPO_LOG_RATIO_CLAMP", "TRUST_REGION_INPUTS", "cispo_surrogate",
     "trust_region_options", "reinforce_baseline_advantages", "reinforce_baseline_centered",
     "rloo_advantages", "rollout_is_weights", "rollout_mismatch_stats", "ROLLOUT_IS_LEVELS",
-    "ROLLOUT_IS_MODES", "RolloutISLevel", "RolloutISMode", "distillation_advantages",
+    "ROLLOUT_IS_MODES", "RolloutISLevel", "RolloutISMode", "distillation_advantages", "dppo_surrogate",
+    "clip_cov_surrogate", "kl_cov_surrogate", "TokenSelection", "clip_cov_mask", "high_entropy_mask",
+    "kl_cov_mask", "off_policy_sequence_mask", "quantile_count", "token_covariance", "token_keys",
 ]

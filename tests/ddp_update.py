@@ -21,6 +21,7 @@ import torch.distributed as dist
 from lightning_rl.algorithms import GRPO
 from lightning_rl.algorithms.options import PolicyOptions, SamplingOptions, UpdateOptions
 from lightning_rl.data import PromptDataModule
+from lightning_rl.maths.objective import Objective
 from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.correction import RolloutCorrection
 from lightning_rl.step.logprobs import score_rollout
@@ -71,13 +72,31 @@ def fixed_rollout(module: GRPO) -> Rollout:
     return rollout
 
 
-MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "skip")
+BASE_OBJECTIVE = {"clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.1}  # the probe's (GRPO's otherwise)
+MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "skip",
+         "entropy", "kl-cov", "clip-cov", "dppo", "opsm")
+# issue 40's objective options: the batch-statistic selections (entropy quantile, KL-Cov, Clip-Cov) are made
+# over the whole minibatch on every rank before the micro-batches; DPPO and OPSM are per token / per row
+OPTION_MODES = {
+    "entropy": dict(aggregation="token-mean", top_entropy_quantile=0.3),
+    "kl-cov": dict(aggregation="token-mean", trust_region="kl_cov", clip_high=0.2, kl_cov_ratio=0.25,
+                   kl_cov_coef=0.5),
+    "clip-cov": dict(aggregation="token-mean", trust_region="clip_cov", clip_cov_ratio=0.2, clip_cov_lb=-0.5,
+                     clip_cov_ub=0.5),
+    "dppo": dict(aggregation="seq-mean-token-mean", trust_region="dppo", clip_high=0.2, dppo_low=0.1,
+                 dppo_high=0.1),
+    "opsm": dict(aggregation="seq-mean-token-mean", off_policy_mask_threshold=0.05),
+}
 
 
 def for_mode(module: GRPO, rollout: Rollout, mode: str) -> Rollout:
     """The rollout and objective of one probe mode: an aggregation; or ``skip``: no KL term and no signal
     on the odd rows, so the updater skips them (under the strided split all of rank 1's rows: it joins
-    the gradient reduction with empty micro-batches only), and the normalisers still count them."""
+    the gradient reduction with empty micro-batches only), and the normalisers still count them; or one of
+    :data:`OPTION_MODES`, from the probe's base objective."""
+    if mode in OPTION_MODES:
+        module.objective = Objective(**{**BASE_OBJECTIVE, "aggregation_length": 8, **OPTION_MODES[mode]})
+        return rollout
     if mode != "skip":  # seq-mean-token-sum-norm over the completion budget, as training sets it
         module.objective = dataclasses.replace(module.objective, aggregation=mode, aggregation_length=8)
         return rollout
@@ -106,7 +125,7 @@ def main() -> None:
         policy=PolicyOptions(model="builtin:tiny-sort", max_prompt_length=16),
         sampling=SamplingOptions(max_new_tokens=8, num_generations=4),
         update=UpdateOptions(micro_batch_size=None if micro == "none" else int(micro), max_grad_norm=None),
-        objective={"clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.1},
+        objective=BASE_OBJECTIVE,
         optimizer=partial(torch.optim.SGD, lr=0.0))
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",
                         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -178,7 +178,7 @@ def main() -> None:
         resume = find_last_checkpoint(trainer)
     trainer.fit(module, datamodule, ckpt_path=resume)
     weights = full_state_dict(module.policy.model)  # every rank joins
-    reference = getattr(module, "_reference", None) or getattr(module, "reference", None)
+    reference = module.reference_policy()
     held = {
         "policy_local_bytes": nbytes(module.policy.parameters()),
         "reference_bytes": nbytes(reference.parameters()) if reference is not None else 0,

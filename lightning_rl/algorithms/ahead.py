@@ -34,8 +34,8 @@ def start_worker(module: Any) -> None:
                          f"not {type(dm).__name__}")
     io = module.policy_io()  # the engine attached (and a CopyEngine's copy built) before the fork
     engine = module.engine
-    frozen = module.frozen_scorers()
-    shared = getattr(frozen.get("reference"), "shares_weights", False)
+    frozen = module.frozen.all()
+    shared = "reference" in frozen and frozen["reference"].shares_weights
     if shared and (thread or is_sharded(module.policy.model)):
         del frozen["reference"]  # LoRA: the trained model with adapters off: the learner scores it
     model = engine.sampling_model()

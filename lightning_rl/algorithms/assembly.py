@@ -112,16 +112,19 @@ class RewardStages:
 
 
 def reward_stages(o: RewardOptions, *, environment_only: bool, budget: int, render: Callable,
-                  trust_remote_code: bool) -> RewardStages:
+                  trust_remote_code: bool, decouple_eps: float | None = None) -> RewardStages:
     """The reward stages; an unset ``accuracy_fn`` follows the main reward function (or ``exact_match``
     when there are no reward functions); an unset ``correctness_fn`` follows ``accuracy_fn``.
 
     ``environment_only``: ``functions: []`` with an environment means the environment's rewards alone.
     ``budget``: the tokens a sample may take (one turn, or the episode), for overlong shaping.
+    ``decouple_eps``: the advantage estimator is GDPO (``AdvantageEstimator.decouple_eps``).
     """
     functions = o.functions if o.functions is not None else (None if o.model else [DEFAULT_REWARD])
     if functions == [] and environment_only:
         functions = None
+    if decouple_eps is not None:
+        check_decoupled(o, functions, environment_only)
     scorer = None if functions is None else RewardScorer(functions, o.weights, o.on_error, o.max_error_frac,
                                                          timeout=o.timeout, isolate=o.isolate)
     if o.accuracy_fn is None and scorer is not None:
@@ -135,8 +138,20 @@ def reward_stages(o: RewardOptions, *, environment_only: bool, budget: int, rend
     model = RewardModelScorer(o.model, trust_remote_code=trust_remote_code) if o.model else None
     overlong = overlong_shaping(o.overlong_buffer, o.overlong_penalty_factor, budget)
     pipeline = RewardPipeline(scorer, correctness_fn, reward_model=model, reward_model_weight=o.model_weight,
-                              render=render, overlong=overlong)
+                              render=render, overlong=overlong, decouple_eps=decouple_eps)
     return RewardStages(scorer, accuracy_fn, accuracy_name, correctness_fn, pipeline)
+
+
+def check_decoupled(o: RewardOptions, functions: list | None, environment: bool) -> None:
+    """GDPO normalises each reward function's scores: refuse rewards it would leave out of the advantage."""
+    other = {"model.rewards.model": o.model, "model.rewards.overlong_buffer": o.overlong_buffer,
+             "model.episodes.environment": environment or None}
+    given = [key for key, value in other.items() if value]
+    if not functions or given:
+        why = f"{', '.join(f'`{k}`' for k in given)} would be left out of the advantage" if given else \
+            "`model.rewards.functions` is empty"
+        raise ValueError(f"`model.advantage` GDPO normalises each of `model.rewards.functions` within its "
+                         f"group and sums them with `model.rewards.weights`: {why}; use GroupNormalized")
 
 
 def main_reward(scorer: RewardScorer) -> FullScore:

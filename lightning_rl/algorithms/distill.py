@@ -2,7 +2,7 @@
 the shared step.
 
 The student samples its own completions; a frozen teacher scores those same tokens at the sampling
-temperature (``lightning_rl.step.logprobs.TeacherLogProbs``, a stage before the advantages); each token's
+temperature (``lightning_rl.step.logprobs.FrozenLogProbs``, this preset's stage); each token's
 advantage is the negative reverse KL ``teacher_logp - student_logp``, optionally summed over later tokens with
 a discount, plus ``reward_weight`` times the task rewards' advantages
 (``lightning_rl.step.estimators.Distillation``). The update is the step's policy loss (one update per
@@ -12,13 +12,14 @@ sampling are the online step's own.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from lightning_rl.algorithms.online import OnlineRL
 from lightning_rl.algorithms.options import ObjectiveOptions, SamplingOptions
 from lightning_rl.models.teacher import TeacherOptions, load_teacher
 from lightning_rl.step.estimators import AdvantageEstimator, Distillation
-from lightning_rl.step.logprobs import TeacherLogProbs
+from lightning_rl.step.learner import Stage
+from lightning_rl.step.logprobs import FrozenLogProbs
 
 DISTILL_OBJECTIVE = ObjectiveOptions(aggregation="token-mean")
 
@@ -36,6 +37,8 @@ class OnPolicyDistillation(OnlineRL):
         **kwargs: see :class:`~lightning_rl.algorithms.online.OnlineRL`.
     """
 
+    reads_behaviour: ClassVar[bool] = True  # the advantages read the student's log-probs
+
     def __init__(
         self, *args: Any, teacher: TeacherOptions = TeacherOptions(),
         sampling: SamplingOptions = SamplingOptions(num_generations=4),
@@ -45,17 +48,16 @@ class OnPolicyDistillation(OnlineRL):
         estimator = Distillation(teacher.coef, teacher.discount, teacher.reward_weight, advantage)
         super().__init__(*args, sampling=sampling, objective=objective, advantage=estimator, **kwargs)
         self.teacher_options = teacher
-        # a plain attribute, like the reference: out of the module tree, its state_dict and the optimiser
-        self.__dict__["teacher"] = load_teacher(teacher, self.tokenizer, self.policy_options.model)
-        self.learner.before.insert(0, TeacherLogProbs(self.teacher, sampling.temperature,
-                                                      self.updater.micro_batch_size))
-        self.learner.reads_behaviour = True  # the student's log-probs: the sampler's own, or a scoring pass
-        self.engine.keep_logprobs()  # else the learner's behaviour pass scores the student
+        self.frozen.add("teacher", load_teacher(teacher, self.tokenizer, self.policy_options.model))
 
-    def frozen_scorers(self) -> dict[str, Any]:
-        return {**super().frozen_scorers(), "teacher": self.teacher}
+    @property
+    def teacher(self) -> Any:
+        return self.frozen.get("teacher")
 
-    def on_fit_start(self) -> None:
-        super().on_fit_start()
-        self.teacher.share_prompts = self.policy.share_prompts
-        self.teacher.to(self.device)
+    def preset_stages(self) -> list[Stage]:
+        """The teacher's log-probs of the sampled tokens (a non-finite one leaves the loss, counted as
+        ``distill/teacher_excluded_tokens``)."""
+        return [FrozenLogProbs(self.frozen, "teacher", policy=self.policy,
+                               temperature=self.sampling.temperature,
+                               micro_batch_size=self.updater.micro_batch_size, time_key="perf/teacher_time",
+                               excluded_key="distill/teacher_excluded_tokens")]

@@ -1,8 +1,9 @@
 """The shared online RL step: one ``training_step`` = one RL iteration, composed of stages.
 
 The sampler's half (``episodes.source``: engine or episodes, rewards, filters with their refills) -> the
-learner's stages (``step.learner``: log-prob passes, correction, the companions' stages such as PPO's
-values, the KL in the reward, advantages) -> the updater -> statistics. Each stage is built from its option
+learner's stages, as the preset declares them (``learner_stages``: the frozen models' and the behaviour
+log-probs, correction, the preset's own stages such as PPO's values, the KL in the reward; then the
+advantages; ``step.learner``) -> the updater -> statistics. Each stage is built from its option
 group (``algorithms.assembly``), returns a new rollout and its numbers, which this module logs; none reaches
 into this module or the DataModule, and callbacks only observe (``RLCallback``). Current, behaviour and
 reference log-probs are scored on the tempered, unfiltered distribution (top-k / top-p belong to sampling
@@ -33,14 +34,16 @@ from lightning_rl.algorithms.options import (
 from lightning_rl.algorithms.presets import ONLINE_MOVED_KEYS
 from lightning_rl.algorithms.stepping import ManualSteps
 from lightning_rl.episodes.sampler import Sampler
+from lightning_rl.models.frozen import FrozenModels
 from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.correction import RolloutCorrection
 from lightning_rl.step.engine import RolloutEngine
 from lightning_rl.step.estimators import AdvantageEstimator
-from lightning_rl.step.learner import Learner
-from lightning_rl.step.logprobs import resolve_behaviour
+from lightning_rl.step.learner import Learner, Stage
+from lightning_rl.step.logprobs import BehaviourLogProbs, ExcludeNonfinite, FrozenLogProbs, resolve_behaviour
 from lightning_rl.step.rollout import Rollout, merge_stats
-from lightning_rl.step.update import TrainedModel, policy_loss, policy_rows
+from lightning_rl.step.selection import select_tokens
+from lightning_rl.step.update import TrainedModel, micro_batch_policy_loss, policy_rows
 
 
 class OnlineRL(ManualSteps, PolicyModule):
@@ -66,6 +69,7 @@ class OnlineRL(ManualSteps, PolicyModule):
     """
 
     moved_keys: ClassVar[dict[str, str]] = ONLINE_MOVED_KEYS
+    reads_behaviour: ClassVar[bool] = False  # a stage reads the sampling policy's log-probs (distillation)
 
     def __init__(
         self, policy: PolicyOptions = PolicyOptions(), sampling: SamplingOptions = SamplingOptions(),
@@ -90,36 +94,60 @@ class OnlineRL(ManualSteps, PolicyModule):
         self.objective, self.kl_reward = assembly.objective_stages(objective, default_length=budget)
         stages = assembly.reward_stages(rewards, environment_only=episodes.environment is not None,
                                         budget=budget, render=self.render_for_reward_model,
-                                        trust_remote_code=policy.trust_remote_code)
+                                        trust_remote_code=policy.trust_remote_code,
+                                        decouple_eps=self.advantage.decouple_eps)
         self.reward_pipeline, self.correctness_fn = stages.pipeline, stages.correctness_fn
         self.accuracy_fn, self.accuracy_name = stages.accuracy_fn, stages.accuracy_name
-        updater = assembly.update_stage(update)
+        self.updater = assembly.update_stage(update)
         self.policy.logprob_chunk, self.policy.packing = update.logprob_chunk, update.packing
         if sampling.max_staleness:  # the worker's weights are k steps old: its log-probs are the behaviour's
             self.engine.sample_ahead()
-        resolve_behaviour(logprobs.behaviour, updater.updates_per_rollout, self.engine)  # fails early
-        self.learner = Learner(  # the KL in the reward needs the policy's own log-probs of the rollout
-            "recompute" if self.kl_reward is not None else logprobs.behaviour, sampling.temperature,
-            logprobs.correction if logprobs.correction is not None else RolloutCorrection(),
-            [self.kl_reward] if self.kl_reward is not None else [], self.advantage, updater, sampling.seed)
+        if self.reads_behaviour:
+            self.engine.keep_logprobs()  # else the learner's behaviour pass scores them
+        self.behaviour = behaviour_source(logprobs.behaviour, kl_in_reward=self.kl_reward is not None)
+        resolve_behaviour(self.behaviour, self.updater.updates_per_rollout, self.engine)  # fails early
+        self.correction = logprobs.correction if logprobs.correction is not None else RolloutCorrection()
+        self.seed = sampling.seed
         self.sampler = Sampler(self.num_generations, self.sampling, self.reward_pipeline, self.episodes,
                                filters.mask_truncated)
         self.rollouts = assembly.rollout_source(self.sampler, filters, sampling)
         self.needs_reference = self.objective.needs_reference or self.kl_reward is not None
         self.reference_stages = ("fit",) if self.needs_reference else ()  # validate / predict hold no copy
-        self.__dict__["_reference"] = None
+        self.frozen = FrozenModels()  # out of the module tree: never in checkpoints or optimisers
+        if self.needs_reference:
+            self.frozen.declare("reference", self.policy.reference)
+        self._learner: Learner | None = None
+
+    @property
+    def learner(self) -> Learner:
+        """The learner, built once from the declared stages (on first use: a preset's own models, such as
+        PPO's critic, exist by then)."""
+        if self._learner is None:
+            self._learner = Learner(self.learner_stages(), self.advantage, self.updater, self.seed)
+        return self._learner
+
+    def learner_stages(self) -> list[Stage]:
+        """The learner's stages before the advantages, in order: the reference's log-probs, the behaviour
+        log-probs, non-finite tokens out of the loss, the correction weights, the preset's own stages
+        (:meth:`preset_stages`), the KL in the reward."""
+        t, rows = self.sampling.temperature, self.updater.micro_batch_size
+        return [FrozenLogProbs(self.frozen, "reference", policy=self.policy, temperature=t,
+                               micro_batch_size=rows, time_key="perf/reference_time"),
+                BehaviourLogProbs(self.behaviour, engine=self.engine, policy=self.policy, temperature=t,
+                                  updates_per_rollout=self.updater.updates_per_rollout, micro_batch_size=rows,
+                                  read_later=self.reads_behaviour),
+                ExcludeNonfinite(), self.correction, *self.preset_stages(),
+                *([self.kl_reward] if self.kl_reward is not None else [])]
+
+    def preset_stages(self) -> list[Stage]:
+        """A preset's own stages, after the correction and before the KL in the reward (PPO: its critic's
+        values; distillation: the teacher's log-probs); none here."""
+        return []
 
     def reference_policy(self) -> Any:
         """The frozen reference (``None`` when no KL term is on), built on first use: the policy as loaded,
         out of checkpoints and optimisers."""
-        if self._reference is None and self.needs_reference:
-            self.__dict__["_reference"] = self.policy.reference()
-        return self._reference
-
-    def frozen_scorers(self) -> dict[str, Any]:
-        """The frozen models whose log-probs a worker sampling ahead scores where it samples."""
-        reference = self.reference_policy()
-        return {"reference": reference} if reference is not None else {}
+        return self.frozen.get("reference")
 
     # ---- the step ---------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
@@ -130,13 +158,14 @@ class OnlineRL(ManualSteps, PolicyModule):
         else:  # after the optimiser steps of the previous step
             self.attach_engine().sync_weights(self.policy, version=self.trainer.global_step)
         sync_time = time.perf_counter() - start
+        data, pools = self.trainer.datamodule, {}
+        record = getattr(data, "record_outcomes", None)  # a curriculum learns from the prompts' pass rates
+        report = None if record is None else lambda rates: pools.update(record(step, rates))
         rollout, stats = self.rollouts(batch, self.policy_io(), step=step, rank=self.global_rank,
                                        collectives=collectives, device=self.device,
-                                       refill=getattr(self.trainer.datamodule, "refill_batch", None))
-        companions = [c.stage for c in self.companions().values() if c.stage is not None]
-        rollout, extra = self.learner.prepare(
-            rollout, policy=self.policy, reference=self.reference_policy(), engine=self.engine,
-            collectives=collectives, companions=companions)
+                                       refill=getattr(data, "refill_batch", None), report=report)
+        stats = {**stats, **pools}
+        rollout, extra = self.learner.prepare(rollout, collectives)
         self.observe(rollout)
         update_start = time.perf_counter()
         for metrics, share in self.learner.update(rollout, self.trained_models(), self.update_hooks(),
@@ -153,12 +182,29 @@ class OnlineRL(ManualSteps, PolicyModule):
     def trained_models(self) -> list[TrainedModel]:
         """What the updater trains: the policy (and the companions, for presets that have them)."""
         return [TrainedModel("policy", self.policy, self.optimizers(), self.policy_loss, ("policy/loss",),
-                             reaches=self.policy_rows)]
+                             reaches=self.policy_rows, select=self.select_tokens)]
+
+    def select_tokens(self, minibatch: Rollout, collectives: Collectives, seed: int) -> Rollout:
+        """The objective's whole-minibatch token selection (entropy, Clip-Cov, KL-Cov), before the
+        micro-batches (``lightning_rl.step.selection``)."""
+        return select_tokens(self.policy, minibatch, self.objective, self.sampling.temperature,
+                             self.updater.micro_rows, collectives, seed)
 
     def policy_rows(self, micro: Rollout) -> torch.Tensor:
         return policy_rows(micro, self.objective.kl_coef, self.entropy_coef)
 
     def policy_loss(self, micro: Rollout, num_tokens: torch.Tensor,
                     num_seqs: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        return policy_loss(self.policy, micro, self.objective, self.entropy_coef, self.sampling.temperature,
-                           num_tokens, num_seqs, self.learner.correction)
+        return micro_batch_policy_loss(self.policy, micro, self.objective, self.entropy_coef,
+                                       self.sampling.temperature, num_tokens, num_seqs, self.correction)
+
+
+def behaviour_source(behaviour: str, *, kl_in_reward: bool) -> str:
+    """The behaviour source the learner uses: ``model.logprobs.behaviour``, or ``recompute`` when the KL is in
+    the reward (its penalty needs the trained policy's own log-probs of the rollout). An explicit other
+    source is refused rather than overridden."""
+    if not kl_in_reward or behaviour in ("auto", "recompute"):
+        return "recompute" if kl_in_reward else behaviour
+    raise ValueError(f"`model.objective.kl_in_reward: true` scores the behaviour log-probs with the trained "
+                     f"policy (`recompute`), which `model.logprobs.behaviour: {behaviour}` contradicts: "
+                     "leave `model.logprobs.behaviour` at auto or recompute")

@@ -13,12 +13,14 @@ from typing import Any, Literal
 from lightning_rl.episodes.environments import Environment
 from lightning_rl.maths.aggregation import Aggregation
 from lightning_rl.maths.checks import require as require_in
+from lightning_rl.maths.objective import DPPODivergence
 from lightning_rl.maths.penalties import KLEstimator
 from lightning_rl.maths.ratio_levels import RatioLevel
 from lightning_rl.maths.trust_regions import TrustRegion
 from lightning_rl.step.correction import RolloutCorrection
 from lightning_rl.step.filters import RolloutFilter
 from lightning_rl.step.logprobs import BehaviourSource
+from lightning_rl.step.reward_calls import RewardFunction
 
 OnError = Literal["raise", "zero"]
 
@@ -145,8 +147,11 @@ class RewardOptions:
     """The reward: functions, a reward model, shaping, and what counts as correct.
 
     Args:
-        functions: reward functions by import path (``package.module:function``); ``None``: ``exact_match``,
-            or none with a reward ``model``; ``[]`` with an environment: the environment's rewards alone.
+        functions: reward functions by import path (``package.module:function``) or as ``class_path`` +
+            ``init_args`` (a ``lightning_rl.step.reward_calls.RewardFunction``, e.g. the LLM judge
+            ``lightning_rl.step.judge.LLMJudge``); ``None``: ``exact_match``, or none with a reward
+            ``model``; ``[]`` with an environment: the environment's rewards alone. A group reward
+            (``reward_calls.group_reward``) is called once per group of G completions of one prompt.
         weights: one weight per function (default 1.0 each).
         model: a one-label sequence-classification folder whose weighted score of the rendered prompt +
             completion is added (kept out of checkpoints and optimisers).
@@ -170,7 +175,7 @@ class RewardOptions:
             that are killed on timeout (a timed-out thread cannot be stopped).
     """
 
-    functions: list[str] | None = None
+    functions: list[str | RewardFunction] | None = None
     weights: list[float] | None = None
     model: str | None = None
     model_weight: float = 1.0
@@ -240,7 +245,9 @@ class ObjectiveOptions:
     Args:
         ratio_level: ``token`` or ``sequence`` (GSPO's length-normalised ratio).
         trust_region: ``clip`` (``clip_low``, ``clip_high``; dual-clip with ``clip_ratio_c``), ``soft_gate``
-            (SAPO's, ``tau_pos``, ``tau_neg``) or ``cispo`` (clipped IS weight, ``clip_high``).
+            (SAPO's, ``tau_pos``, ``tau_neg``), ``cispo`` (clipped IS weight, ``clip_high``), ``dppo``
+            (divergence mask, ``dppo_*``), ``clip_cov`` (``clip_low``, ``clip_high``, ``clip_cov_*``) or
+            ``kl_cov`` (``kl_cov_*``): formulas and sources in ``lightning_rl.maths.trust_regions``.
         clip_low: the ratio's clip range starts at ``1 - clip_low``.
         clip_high: the ratio's clip range ends at ``1 + clip_high`` (clip-higher when above ``clip_low``).
         clip_ratio_c: dual-clip bound for negative advantages (``None``: off).
@@ -259,6 +266,22 @@ class ObjectiveOptions:
         aggregation_length: the constant normalising length of ``seq-mean-token-sum-norm`` (only that
             aggregation reads it); ``None``: ``sampling.max_new_tokens``, or the episode budget
             (``episodes.max_episode_tokens``) in multi-turn episodes.
+        dppo_divergence: ``tv`` or ``kl`` (DPPO's binary divergence on the sampled token).
+        dppo_low, dppo_high: DPPO's divergence thresholds for negative / positive advantages (verl's recipe:
+            0.15 for ``tv``, 0.05 for ``kl``).
+        dppo_ratio_cap: DPPO's cap on the gradient's importance weight (verl's ``clip_ratio_c``; ``None``:
+            off).
+        clip_cov_ratio, clip_cov_lb, clip_cov_ub: Clip-Cov: the share of tokens whose gradient is stopped,
+            drawn among those with covariance in ``(clip_cov_lb, clip_cov_ub)``.
+        kl_cov_ratio, kl_cov_coef: KL-Cov: the share of largest-covariance tokens given
+            ``kl_cov_coef |log r|``.
+        top_entropy_quantile: only the highest-entropy share of the minibatch's tokens keeps its surrogate
+            (TRL's ``top_entropy_quantile``; 0.2 in "Beyond the 80/20 rule"; 1.0: off); any trust region.
+        off_policy_mask_threshold: OPSM (DeepSeek-V3.2): drop the surrogate of negative-advantage tokens in
+            rows whose mean divergence from the sampling policy exceeds it (``None``: off); any trust region.
+
+    Clip-Cov, KL-Cov and the entropy selection read the policy's log-probs and entropies of each minibatch
+    before its micro-batches (one forward without backward), so the selection is the whole minibatch's.
     """
 
     ratio_level: RatioLevel = "token"
@@ -277,6 +300,17 @@ class ObjectiveOptions:
     kl_horizon: int = 10000
     entropy_coef: float = 0.0
     aggregation_length: int | None = None
+    dppo_divergence: DPPODivergence = "tv"
+    dppo_low: float = 0.2
+    dppo_high: float = 0.2
+    dppo_ratio_cap: float | None = None
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-4
+    kl_cov_coef: float = 1.0
+    top_entropy_quantile: float = 1.0
+    off_policy_mask_threshold: float | None = None
 
     def __post_init__(self) -> None:
         length = self.aggregation_length

@@ -22,6 +22,7 @@ from lightning_rl.models.critic import CriticOptions, load_critic
 from lightning_rl.models.model_utils import enable_gradient_checkpointing
 from lightning_rl.models.sharding import zero_loss
 from lightning_rl.step.estimators import GAE, AdvantageEstimator
+from lightning_rl.step.learner import Stage
 from lightning_rl.step.logprobs import CriticValues
 from lightning_rl.step.rollout import Rollout
 from lightning_rl.step.update import TrainedModel, critic_loss
@@ -58,18 +59,23 @@ class PPO(OnlineRL):
             enable_gradient_checkpointing(self.critic.model)
 
     def companions(self) -> dict[str, Companion]:
-        values = CriticValues(self.critic, self.updater.micro_batch_size)  # before the advantages (GAE)
         o = self.critic_options
-        return {"critic": Companion(self.critic, o.optimizer, o.lr_scheduler, values)}
+        return {"critic": Companion(self.critic, o.optimizer, o.lr_scheduler)}
+
+    def preset_stages(self) -> list[Stage]:
+        """The critic's values of the rollout's tokens, which GAE reads."""
+        return [CriticValues(self.critic, self.updater.micro_batch_size)]
 
     def trained_models(self) -> list[TrainedModel]:
         """The policy (joining the backward without stepping while the critic warms up), then the critic,
         whose step goes through the strategy beside the policy's (so one trainer step stays one update)."""
         warm = self.trainer.fit_loop.total_batch_idx < self.critic_options.warmup  # rollouts, not updates
         policy_opt, critic_opt = self.optimizers()
-        policy = TrainedModel("policy", self.policy, policy_opt, self.policy_loss, ("policy/loss",))
+        policy = TrainedModel("policy", self.policy, policy_opt, self.policy_loss, ("policy/loss",),
+                              select=self.select_tokens)
         if warm:
             policy.optimizer, policy.loss, policy.summed = None, self.frozen_policy_loss, ()
+            policy.select = None  # its loss is a zero loss: no selection to make
         critic = TrainedModel("critic", self.critic, critic_opt, self.critic_loss, ("critic/vf_loss",),
                               counts_as_step=warm)
         return [policy, critic]

@@ -6,8 +6,7 @@ from typing import Any
 
 from lightning_rl.algorithms.online import OnlineRL
 from lightning_rl.algorithms.options import ObjectiveOptions
-from lightning_rl.step.estimators import RLOO as LeaveOneOut
-from lightning_rl.step.estimators import AdvantageEstimator
+from lightning_rl.step.estimators import AdvantageEstimator, LeaveOneOut
 
 
 class RLOO(OnlineRL):

@@ -33,7 +33,7 @@ from lightning_rl.models.sharding import (
 from lightning_rl.step.filters import DynamicSampling
 from lightning_rl.step.metrics import StepMetrics
 from lightning_rl.step.rollout import Rollout, rollout_stats
-from lightning_rl.step.update import TrainedModel, UpdateHooks, Updater
+from lightning_rl.step.update import TrainedModel, UpdateHooks
 
 
 @dataclass
@@ -44,24 +44,15 @@ class Companion:
         module: the model (registered on the LightningModule, so checkpointed with it); it has
             ``.model`` (the transformers module that FSDP2 shards), ``parameters()`` and ``train()``.
         optimizer, lr_scheduler: its optimiser and scheduler factories.
-        stage: what it adds to the step: a stage ``(rollout, collectives) -> (rollout, stats)`` run before
-            the advantages (PPO's critic: its values, which GAE reads), or ``None``.
     """
 
     module: Any
     optimizer: Any
     lr_scheduler: Any = None
-    stage: Any = None
 
 
 class ManualSteps:
     """Mixin for :class:`~lightning_rl.algorithms.online.OnlineRL` (see the module docstring)."""
-
-    _reference: Any
-
-    @property
-    def updater(self) -> Updater:
-        return self.learner.updater
 
     @property
     def step_metrics(self) -> StepMetrics:
@@ -94,13 +85,12 @@ class ManualSteps:
             companion.module.train()
         share = prompt_sharing(self.share_prompt_prefix, self.policy.model)
         self.policy.share_prompts = share
-        if self._reference is not None:
-            self._reference.share_prompts = share
-            self._reference.logprob_chunk = self.policy.logprob_chunk
-            self._reference.packing = self.policy.packing
+        for frozen in self.frozen.all().values():  # the reference, a teacher: scored like the policy
+            frozen.share_prompts, frozen.logprob_chunk = share, self.policy.logprob_chunk
+            frozen.packing = self.policy.packing
+            frozen.to(self.device)
         if self.policy.packing:
             self.policy.check_packing()  # every rank at once, before the first step
-            self._reference.to(self.device)
         if self.reward_pipeline.reward_model is not None:
             self.reward_pipeline.reward_model.to(self.device)
         filters = getattr(self.rollouts, "source", self.rollouts).filters

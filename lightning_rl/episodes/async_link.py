@@ -32,7 +32,14 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from lightning_rl.episodes.async_worker import POLL_SECONDS, Failed, Progress, Sampled, Worker, run_worker
+from lightning_rl.episodes.async_worker import (
+    POLL_SECONDS,
+    Failed,
+    Progress,
+    Sampled,
+    SamplerWorker,
+    run_worker,
+)
 from lightning_rl.step import forking
 
 STOP_SECONDS = 30  # a worker's own stop (a vLLM engine it started shuts down in ~5 s) before it is killed
@@ -46,7 +53,7 @@ class SamplerLost(RuntimeError):
 
 
 class WorkerLink:
-    """The channels of one worker (create, build the :class:`Worker` with them, then :meth:`start` it).
+    """The channels of one worker (create, build the :class:`SamplerWorker` with them, then :meth:`start` it).
 
     Args:
         thread: a thread of this process rather than a forked one.
@@ -67,7 +74,7 @@ class WorkerLink:
         self.stop_seen: float | None = None  # when the learner first saw the stop request
         self.process: Any = None
 
-    def start(self, worker: Worker, threads: int) -> None:
+    def start(self, worker: SamplerWorker, threads: int) -> None:
         """Run ``worker``: in a thread, or in a child forked with ``threads`` torch threads."""
         if self.context is None:
             self.process = threading.Thread(target=run_worker, args=(worker,), daemon=True,

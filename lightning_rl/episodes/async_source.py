@@ -21,7 +21,9 @@ The protocol, for a lag ``k = model.sampling.max_staleness``:
   batch index), and the learner checks each rollout answers the batch Lightning gave its step.
 * A checkpoint holds the rollouts sampled ahead (``state_dict``) and the refill stream's position after
   them: a resumed run trains on exactly the rollouts the uninterrupted run would have, and no prompt is
-  sampled or scored twice.
+  sampled or scored twice. Each carries its prompts' pass rates: a curriculum's stream
+  (:mod:`lightning_rl.data.curriculum`) hears them in the learner when trained on, and in a resumed worker,
+  which draws their batches again, before it draws a new one.
 
 The worker (:mod:`lightning_rl.episodes.async_worker`) is a child of its rank's process on CPU, a thread
 of it with its own copy of the weights and its own CUDA stream on GPUs (``model.sampling.worker``). It
@@ -54,7 +56,7 @@ import torch
 from torch import nn
 
 from lightning_rl.episodes.async_link import SamplerLost, WorkerLink
-from lightning_rl.episodes.async_worker import Failed, Sampled, WeightSlots, Worker, rollout_to
+from lightning_rl.episodes.async_worker import Failed, Sampled, SamplerWorker, WeightSlots, rollout_to
 from lightning_rl.episodes.sampler import PolicyIO
 from lightning_rl.episodes.source import Batch, RolloutSource
 from lightning_rl.models.adapters import named_trainable_parameters
@@ -123,11 +125,17 @@ class AsyncRollouts:
         self.ready = {item.step: item for item in self.restored}
         first = step + len(self.restored)
         refills_start = self.refills if self.loaded else refills_start
+        stream = batches(batch_index)
+        record = getattr(stream, "record", None)  # a curriculum's stream learns from the pass rates
+        for item in self.restored:  # sampled before the checkpoint: drawn again, their outcomes heard
+            next(stream)
+            if record is not None and item.outcomes is not None:
+                record(item.step, item.outcomes)
         self.refills, self.restored = refills_start, []
-        worker = Worker(self.source, io, engine, self.slots, batches(batch_index + first - step), refills,
+        worker = SamplerWorker(self.source, io, engine, self.slots, stream, refills,
                         refills_start, first, step, self.lag, rank, link.sender, link.stop,
                         None if thread else os.getpid(), self.threads, link.progress, frozen, scoring,
-                        device or torch.device("cpu"))
+                        device or torch.device("cpu"), record)
         link.start(worker, self.threads)
         self.link = link
         atexit.register(self.close)  # however the learner ends (a signal's exit skips Lightning's teardown)
@@ -138,12 +146,15 @@ class AsyncRollouts:
         self.slots.publish(step, named_trainable_parameters(model))
 
     def __call__(self, batch: Batch, io: PolicyIO, *, step: int, device: torch.device | None = None,
+                 report: Callable[[list[float]], None] | None = None,
                  **_: Any) -> tuple[Rollout, dict[str, float]]:
-        """As ``RolloutSource``'s: step ``step``'s rollout of ``batch``, from the worker, on ``device``."""
-        rollout, stats = self.take(step, batch)
+        """As ``RolloutSource``'s: step ``step``'s rollout of ``batch``, from the worker, on ``device``;
+        ``report`` receives its prompts' pass rates, as the worker measured them."""
+        rollout, stats = self.take(step, batch, report)
         return (rollout if device is None else rollout_to(rollout, device)), stats
 
-    def take(self, step: int, batch: Batch) -> tuple[Rollout, dict[str, float]]:
+    def take(self, step: int, batch: Batch,
+             report: Callable[[list[float]], None] | None = None) -> tuple[Rollout, dict[str, float]]:
         """Step ``step``'s rollout (waiting for the worker) and its statistics, staleness included. A worker
         lost while a stop is pending ends the run through ``stop_now`` (see :meth:`watch`)."""
         wait_start = time.perf_counter()
@@ -160,6 +171,8 @@ class AsyncRollouts:
                                "one the DataModule gave this step (the sampler reads the DataModule's prompt "
                                "stream ahead; a DataModule whose batches are not a pure function of the "
                                "batch index cannot be sampled ahead: set `model.sampling.max_staleness: 0`)")
+        if report is not None and item.outcomes is not None:
+            report(item.outcomes)
         staleness = float(step - item.version)
         return item.rollout, {**item.stats, "rollout/staleness_mean": staleness,
                               "rollout/staleness_max": staleness,
@@ -225,9 +238,9 @@ def as_state(item: Sampled) -> dict[str, Any]:
     """A sampled-ahead rollout as plain types and tensors, for a checkpoint."""
     rollout = {f.name: getattr(item.rollout, f.name) for f in fields(Rollout)}
     return {"step": item.step, "version": item.version, "prompts": item.prompts, "rollout": rollout,
-            "stats": dict(item.stats), "refills": item.refills}
+            "stats": dict(item.stats), "refills": item.refills, "outcomes": item.outcomes}
 
 
 def from_state(state: dict[str, Any]) -> Sampled:
     return Sampled(state["step"], state["version"], state["prompts"], Rollout(**state["rollout"]),
-                   state["stats"], state["refills"])
+                   state["stats"], state["refills"], state.get("outcomes"))

@@ -44,9 +44,10 @@ from torch import Tensor
 
 from lightning_rl.episodes.sampler import PolicyIO
 from lightning_rl.episodes.source import Batch, RolloutSource
+from lightning_rl.models.frozen import FrozenModels
 from lightning_rl.models.sharding import full_value
 from lightning_rl.step.collectives import Collectives
-from lightning_rl.step.logprobs import score_rollout
+from lightning_rl.step.logprobs import FrozenLogProbs
 from lightning_rl.step.rollout import Rollout
 
 POLL_SECONDS = 0.002
@@ -88,7 +89,8 @@ class Progress:
 @dataclass
 class Sampled:
     """One step's rollout from the worker: its step, weight version, prompts (checked against the
-    learner's batch), statistics, and the refill stream's position after it."""
+    learner's batch), statistics, the refill stream's position after it, and the pass rate of each prompt
+    before any filter (what a curriculum learns from)."""
 
     step: int
     version: int
@@ -96,6 +98,7 @@ class Sampled:
     rollout: Rollout
     stats: dict[str, float]
     refills: int
+    outcomes: list[float] | None = None
 
 
 @dataclass
@@ -158,11 +161,10 @@ def rollout_to(rollout: Rollout, device: torch.device | str) -> Rollout:
                                if isinstance(value, Tensor) and value.device != torch.device(device)})
 
 
-FROZEN_FIELDS = {"reference": "ref_logp", "teacher": "teacher_logp"}  # the rollout field each one fills
 
 
 @dataclass
-class Worker:
+class SamplerWorker:
     """What the worker process runs with (inherited by fork)."""
 
     source: RolloutSource
@@ -184,6 +186,7 @@ class Worker:
     frozen: dict[str, Any] | None = None  # frozen models scored here: {"reference": ..., "teacher": ...}
     scoring: tuple[float, int | None] = (1.0, None)  # their temperature and micro-batch size
     device: torch.device = torch.device("cpu")
+    record: Callable[[int, list[float]], Any] | None = None  # a curriculum stream's: the outcomes it drew
 
     def run(self) -> None:
         """The loop, on the worker's own CUDA stream. A process has its threads and signals from
@@ -216,17 +219,22 @@ class Worker:
                 loading = time.perf_counter()
                 self.engine.set_weights(version, tensors)  # a vLLM engine loads the version here
                 loaded = time.perf_counter() - loading
+                outcomes: list[list[float]] = []
                 with torch.no_grad():
                     rollout, stats = self.source(batch, self.reporting_io(step), step=step, rank=self.rank,
                                                  collectives=Collectives.local(), device=self.device,
-                                                 refill=refill if self.refills is not None else None)
+                                                 refill=refill if self.refills is not None else None,
+                                                 report=outcomes.append)
+                if self.record is not None:  # before the next batch is drawn
+                    self.record(step, outcomes[0])
                 stats = {**stats, "perf/sampler_weight_sync_time": loaded}
                 rollout = replace(rollout, versions=torch.full((len(rollout),), version, dtype=torch.long))
                 self.progress.report(FROZEN, step, version)
                 rollout, stats = self.score_frozen(rollout, stats)
                 rollout = rollout_to(rollout, "cpu")  # a thread's stream finishes here: the slot is free
                 self.progress.report(SENDING, step, version)
-                self.send(Sampled(step, version, list(batch["prompt"]), rollout, stats, refilled))
+                self.send(Sampled(step, version, list(batch["prompt"]), rollout, stats, refilled,
+                                  outcomes[0]))
                 step += 1
         except BaseException as err:  # noqa: BLE001 (every failure reaches the learner)
             last = traceback.format_exception_only(type(err), err)[-1].strip()
@@ -253,14 +261,15 @@ class Worker:
     def score_frozen(self, rollout: Rollout, stats: dict[str, float]) -> tuple[Rollout, dict[str, float]]:
         """The frozen models' log-probs (the reference's, a distillation teacher's), here rather than on the
         learner: they do not depend on the trained weights (verl's separate reference worker), and the two
-        sides' work is more even. Each fills its field of the rollout (``FROZEN_FIELDS``)."""
+        sides' work is more even. The learner's own stage (``FrozenLogProbs``) scores them, with this
+        process's collectives; the learner's stage then finds them scored."""
         temperature, micro_batch_size = self.scoring
-        for name, model in (self.frozen or {}).items():
-            start = time.perf_counter()
-            logp = score_rollout(model, rollout, temperature=temperature, micro_batch_size=micro_batch_size,
-                                 collectives=Collectives.local())
-            rollout = replace(rollout, **{FROZEN_FIELDS[name]: logp})
-            stats = {**stats, f"perf/sampler_{name}_time": time.perf_counter() - start}
+        models = FrozenModels(self.frozen)
+        for name in models.all():
+            stage = FrozenLogProbs(models, name, policy=None, temperature=temperature,
+                                   micro_batch_size=micro_batch_size, time_key=f"perf/sampler_{name}_time")
+            rollout, extra = stage(rollout, Collectives.local())
+            stats = {**stats, **extra}
         return rollout, stats
 
     def send(self, message: Sampled | Failed) -> None:
@@ -280,5 +289,5 @@ class Worker:
         return self.stopping()
 
 
-def run_worker(worker: Worker) -> None:
+def run_worker(worker: SamplerWorker) -> None:
     worker.run()

@@ -77,15 +77,16 @@ class Sampler:
         returns, said = (episodes.returns, episodes.said_correct) if episodes is not None else (None, None)
         result = self.rewards([p for p in prompts for _ in range(G)], texts, gen.lengths.tolist(), columns,
                               collectives=collectives, decide=decide, returns=returns, said_correct=said,
-                              failed=None if episodes is None else episodes.failed)
+                              failed=None if episodes is None else episodes.failed, group_size=G)
         rewards, correct, stats = result.rewards, result.correct, result.stats
         outcome = None if result.outcome is None else result.outcome.to(device)
+        decoupled = None if result.decoupled is None else result.decoupled.to(device)
         if episodes is not None:
             stats = {**stats, **episodes.stats}
             gen_time -= stats["perf/env_time"]
         group_ids = torch.arange(len(prompts), device=device).repeat_interleave(G)
         rollout = Rollout.from_generation(gen, group_ids, rewards.to(device), correct.to(device),
-                                          self.mask_truncated, outcome)
+                                          self.mask_truncated, outcome, decoupled)
         sampled = gen.lengths if gen.model_mask is None else gen.model_mask.sum(-1)
         return rollout, {**stats, "perf/generation_time": gen_time,
                          "perf/generated_tokens": float(sampled.sum())}

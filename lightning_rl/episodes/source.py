@@ -23,6 +23,14 @@ from lightning_rl.step.rollout import Rollout, merge_stats
 Batch = dict[str, list]
 
 
+def pass_rates(rollout: Rollout) -> list[float]:
+    """The fraction of correct samples of each prompt of ``rollout`` (its groups, in order)."""
+    _, group, counts = torch.unique_consecutive(rollout.group_ids.cpu(), return_inverse=True,
+                                                return_counts=True)
+    correct = torch.zeros(len(counts), dtype=torch.float64)
+    return (correct.index_add_(0, group, rollout.correct.double().cpu()) / counts).tolist()
+
+
 def round_seed(seed: int, step: int, round_index: int, rank: int) -> int:
     """The sampling seed of one generation round of one step on one rank."""
     return hash((seed, step, round_index, rank)) % 2**31
@@ -59,10 +67,11 @@ class RolloutSource:
         pass
 
     def __call__(self, batch: Batch, io: PolicyIO, *, step: int, rank: int, collectives: Collectives,
-                 refill: Callable[[], Batch] | None,
-                 device: torch.device) -> tuple[Rollout, dict[str, float]]:
+                 refill: Callable[[], Batch] | None, device: torch.device,
+                 report: Callable[[list[float]], None] | None = None) -> tuple[Rollout, dict[str, float]]:
         """The rollout of ``batch`` at trainer step ``step`` and its statistics; ``refill()`` draws a fresh
-        prompt batch for the filters (``None``: the DataModule has no refill stream)."""
+        prompt batch for the filters (``None``: the DataModule has no refill stream); ``report`` receives the
+        pass rate of each prompt of ``batch`` before any filter (a curriculum's feedback)."""
         rounds = itertools.count()
 
         def sample(prompts: Batch, decide: bool) -> tuple[Rollout, dict[str, float]]:
@@ -78,6 +87,8 @@ class RolloutSource:
                              if not (k.endswith("_mean") or k == "rollout/env_time")}
 
         rollout, stats = sample(batch, decide=True)
+        if report is not None:
+            report(pass_rates(rollout))
         for rollout_filter in self.filters:
             rollout, extra = rollout_filter(rollout, refill_round, collectives)
             stats = merge_stats(stats, extra)

@@ -14,12 +14,12 @@ a KL-to-reference term (:func:`~lightning_rl.maths.penalties.kl_penalty`). The c
 :class:`lightning_rl.maths.objective.Objective`.
 
 To add a trust region: write a function in :mod:`lightning_rl.maths.trust_regions` that takes the common
-inputs as keywords, ``logp``, ``log_ratio``, ``adv``, ``mask`` (all ``[B, T]``; ``logp`` differentiable
-and 0 on invalid tokens, ``mask`` bool), plus its options, and returns a :class:`Surrogate`; register it
-in ``TRUST_REGIONS`` and name it in :data:`TrustRegion`. Its parameters other than the common inputs are
-its options (:func:`trust_region_options`): add them as fields of ``Objective`` / keys of ``OnlineRL``
-(the config), which refuses a non-default option the chosen region does not take. An aggregation: a
-function in ``AGGREGATORS`` and its name in :data:`Aggregation`.
+inputs it reads as keywords (of ``logp``, ``old_logp``, ``log_ratio``, ``adv``, ``mask``, ``selected``; all
+``[B, T]``, ``logp`` differentiable and 0 on invalid tokens, ``mask`` bool), plus its options, and returns a
+:class:`Surrogate`; register it in ``TRUST_REGIONS`` and name it in :data:`TrustRegion`. Its parameters
+other than the common inputs are its options (:func:`trust_region_options`): add them as fields of
+``Objective`` / keys of ``OnlineRL`` (the config), which refuses a non-default option the chosen region does
+not take. An aggregation: a function in ``AGGREGATORS`` and its name in :data:`Aggregation`.
 
 Metrics are means over what one ratio stands for (tokens, or GSPO's sequences); ``policy/approx_kl`` is
 k3 of the ratio, ``mean((r - 1) - log r)``: KL(pi_old || pi_theta), >= 0, lower variance than k1.
@@ -32,6 +32,7 @@ estimators, ratio levels, trust regions and DPO losses live in their own modules
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,6 +42,7 @@ from lightning_rl.maths.aggregation import AGGREGATIONS, Count, aggregate, maske
 from lightning_rl.maths.checks import check_choice, check_range, check_shapes
 from lightning_rl.maths.penalties import KL_ESTIMATORS, kl_penalty
 from lightning_rl.maths.ratio_levels import RATIO_LEVELS
+from lightning_rl.maths.token_selection import off_policy_sequence_mask
 from lightning_rl.maths.trust_regions import (
     TRUST_REGIONS,
     Surrogate,
@@ -76,16 +78,17 @@ def broadcast_advantages(advantages: Tensor, logp: Tensor) -> Tensor:
 
 # ---------------------------------------------------------------------------------------- policy loss
 def _trust_region(
-    name: str, args: Mapping[str, Any] | None, logp: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor
+    name: str, args: Mapping[str, Any] | None, inputs: Mapping[str, Tensor | None]
 ) -> Surrogate:
-    """Call trust region ``name`` by the protocol of :mod:`lightning_rl.maths.trust_regions` (common inputs as
-    keywords, then its options), refusing options it does not take."""
+    """Call trust region ``name`` by the protocol of :mod:`lightning_rl.maths.trust_regions`: the common
+    ``inputs`` it names, as keywords, then its options, refusing options it does not take."""
     args = dict(args or {})
     unknown = sorted(set(args) - set(trust_region_options(name)))
     if unknown:
         raise ValueError(f"`trust_region_args` {unknown} are not options of trust region {name!r}; "
                          f"expected some of {trust_region_options(name)}")
-    return TRUST_REGIONS[name](logp=logp, log_ratio=log_ratio, adv=adv, mask=mask, **args)
+    params = inspect.signature(TRUST_REGIONS[name]).parameters
+    return TRUST_REGIONS[name](**{k: v for k, v in inputs.items() if k in params}, **args)
 
 
 def policy_loss(
@@ -94,6 +97,8 @@ def policy_loss(
     trust_region_args: Mapping[str, Any] | None = None, aggregation: str = "seq-mean-token-mean",
     kl_coef: float = 0.0, kl_estimator: str = "k3", num_tokens: Count = None, num_seqs: Count = None,
     token_weights: Tensor | None = None, kl_clamp: float | None = None, aggregation_length: int | None = None,
+    selected: Tensor | None = None, surrogate_mask: Tensor | None = None, sampler_logp: Tensor | None = None,
+    off_policy_mask_threshold: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Every policy objective: ``aggregate(surrogate(logp, log r, A, mask) + kl_coef * KL(pi || pi_ref))``.
 
@@ -113,18 +118,31 @@ def policy_loss(
             low-variance KL at 10): a token past it adds no KL gradient. ``None``: no clamp.
         aggregation_length: the constant ``L`` of ``seq-mean-token-sum-norm`` (``norm_length`` of
             :func:`aggregate`; ``None``: ``T``); the other aggregations ignore it.
+        selected: ``[B, T]`` the trust region's batch-statistic selection (Clip-Cov, KL-Cov), made over the
+            whole minibatch (:mod:`lightning_rl.maths.token_selection`); ``None``: made on this batch.
+        surrogate_mask: ``[B, T]`` bool, the tokens whose surrogate counts (high-entropy selection); the
+            others keep their KL term and stay in the normalisers (TRL multiplies its per-token loss by the
+            entropy mask before the KL and the aggregation). ``None``: all.
+        sampler_logp: ``[B, T]`` log-probs of the policy that sampled the tokens, for OPSM (``None``:
+            ``old_logp``). off_policy_mask_threshold: OPSM's ``delta`` (``None``: off): the surrogate of a
+            token with a negative advantage in a row whose mean ``sampler_logp - logp`` exceeds it is dropped.
 
     Returns:
         ``(loss, metrics)``: ``policy/{approx_kl, ratio_mean}``, the trust region's stats (``clip_frac*`` or
         ``gate_weight_mean``); when ``ref_logp`` is given ``policy/kl_ref`` (the unclamped mean),
         ``policy/kl_ref_max`` (the largest per-token KL, 0 without valid tokens) and, with
-        ``kl_clamp``, ``policy/kl_clamp_frac`` (the share of tokens the clamp bit).
+        ``kl_clamp``, ``policy/kl_clamp_frac`` (the share of tokens the clamp bit);
+        ``policy/surrogate_token_frac`` (the share ``surrogate_mask`` keeps) and ``policy/opsm_masked_frac``
+        (the share OPSM drops) when on.
     """
     _check_policy_args(logp, old_logp, ref_logp, mask, ratio_level, trust_region, aggregation, kl_coef,
                        kl_estimator)
     mask = mask.bool()
     per_token, metrics = _surrogate_loss(logp, old_logp, advantages, mask, ratio_level, trust_region,
-                                         trust_region_args, token_weights)
+                                         trust_region_args, token_weights, selected)
+    keep = _surrogate_keep(logp, old_logp, advantages, mask, ratio_level, surrogate_mask, sampler_logp,
+                           off_policy_mask_threshold, metrics)
+    per_token = per_token if keep is None else torch.where(keep, per_token, 0.0)
     if ref_logp is not None:
         term, kl_metrics = _reference_kl(logp, ref_logp, mask, kl_estimator, kl_clamp)
         per_token = per_token + kl_coef * term if kl_coef != 0 else per_token
@@ -135,7 +153,7 @@ def policy_loss(
 
 def _surrogate_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, ratio_level: str, trust_region: str,
-    trust_region_args: Mapping[str, Any] | None, token_weights: Tensor | None,
+    trust_region_args: Mapping[str, Any] | None, token_weights: Tensor | None, selected: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`policy_loss`'s surrogate before the KL term and the aggregation: the ratio at ``ratio_level``,
     the trust region's per-token loss (``[B, T]``, times the detached ``token_weights`` if given) and its
@@ -143,10 +161,32 @@ def _surrogate_loss(
     level = RATIO_LEVELS[ratio_level]
     adv = level.advantages(broadcast_advantages(advantages, logp), mask)
     log_ratio = level.log_ratio(logp, old_logp, mask)
-    valid_logp = torch.where(mask, logp, 0.0)  # a region that reads logp (CISPO) never sees padding garbage
-    surrogate = _trust_region(trust_region, trust_region_args, valid_logp, log_ratio, adv, mask)
+    inputs = {"logp": torch.where(mask, logp, 0.0),  # a region that reads logp never sees padding garbage
+              "old_logp": torch.where(mask, old_logp, 0.0).detach(), "log_ratio": log_ratio, "adv": adv,
+              "mask": mask, "selected": selected}
+    surrogate = _trust_region(trust_region, trust_region_args, inputs)
     per_token = surrogate.loss if token_weights is None else surrogate.loss * token_weights.detach()
     return per_token, _surrogate_metrics(surrogate, log_ratio, mask, level.metric_mode, logp.dtype)
+
+
+def _surrogate_keep(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, ratio_level: str,
+    surrogate_mask: Tensor | None, sampler_logp: Tensor | None, threshold: float | None,
+    metrics: dict[str, Tensor],
+) -> Tensor | None:
+    """The tokens whose surrogate counts (``None``: all): the high-entropy selection and OPSM's keep-mask,
+    each logged as a share of the valid tokens in ``metrics``; ``mask`` bool."""
+    keep = None
+    if surrogate_mask is not None:
+        keep = surrogate_mask.bool() & mask
+        metrics["policy/surrogate_token_frac"] = masked_mean(keep.to(logp.dtype), mask)
+    if threshold is not None:
+        adv = RATIO_LEVELS[ratio_level].advantages(broadcast_advantages(advantages, logp), mask)
+        sampler = torch.where(mask, old_logp if sampler_logp is None else sampler_logp, 0.0)
+        kept = off_policy_sequence_mask(torch.where(mask, logp, 0.0), sampler, adv, mask, threshold)
+        metrics["policy/opsm_masked_frac"] = masked_mean((~kept).to(logp.dtype), mask)
+        keep = kept if keep is None else keep & kept
+    return keep
 
 
 def _check_policy_args(

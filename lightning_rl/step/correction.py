@@ -53,9 +53,9 @@ class RolloutCorrection:
                    low=(0 <= low <= 1, low, "in [0, 1] (an on-policy weight of 1 must survive)"))
         self.level, self.mode, self.cap, self.low = level, mode, cap, low
 
-    def __call__(self, rollout: Rollout) -> tuple[Rollout, dict[str, float]]:
+    def __call__(self, rollout: Rollout, collectives: object = None) -> tuple[Rollout, dict[str, float]]:
         """The rollout with ``is_weights`` (when correcting; the input is left as it was) and the mismatch
-        statistics."""
+        statistics: a learner stage (``collectives`` unused: its statistics are this rank's)."""
         engine, behaviour = rollout.rollout_logp, rollout.old_logp
         if engine is None or behaviour is None or behaviour is engine or not len(rollout):
             return rollout, {}

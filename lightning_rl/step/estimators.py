@@ -30,6 +30,7 @@ from lightning_rl.maths.advantages import (
     token_rewards,
     whiten,
 )
+from lightning_rl.maths.multi_reward import batch_normalized, sequence_moments
 from lightning_rl.maths.penalties import adaptive_kl_coef, kl_penalty
 from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.filters import group_size
@@ -51,6 +52,7 @@ class AdvantageEstimator:
     ``num_generations`` it can work with."""
 
     min_group_size: int = 2
+    decouple_eps: float | None = None  # GDPO: the rewards stage normalises each function within its group
 
     def __call__(self, rollout: Rollout, collectives: Collectives) -> tuple[Rollout, dict[str, float]]:
         """The stage: a new rollout with the estimate's fields set (the input is left as it was)."""
@@ -76,7 +78,40 @@ class GroupNormalized(AdvantageEstimator):
         return {"advantages": group_advantages(scores, group_size(rollout), self.eps, self.scale)}, {}
 
 
-class RLOO(AdvantageEstimator):
+class GDPO(AdvantageEstimator):
+    """GDPO (Liu et al., 2026; TRL ``multi_objective_aggregation="normalize_then_sum"``, verl ``gdpo``,
+    NeMo-RL ``GDPOAdvantageEstimator``): each reward function's scores are z-scored within the group, summed
+    with ``model.rewards.weights`` (the rewards stage does this on whole groups:
+    ``rollout.decoupled_rewards``), and the sum is normalised over the global batch of sequences after
+    filtering (one all-reduce).
+
+    Scores that GRPO's weighted sum ties keep distinct advantages: (1, 0) against (0, 2) under weights 1 and
+    0.5 (sums 1 and 1: GRPO 0 and 0; GDPO +0.35 and -0.35 before the batch step), or groups (0,0)/(0,1) and
+    (0,0)/(1,1), which GRPO gives the same advantages.
+
+    As TRL: Bessel stds, ``eps`` = 1e-4 under both, the batch step over sequences and every rank (verl whitens
+    over tokens, NeMo-RL's ``eps`` is 1e-6); ``batch_normalize: false`` keeps the decoupled sum as it is.
+    Failed samples (``on_error: zero``) count with score 0, as in the summed reward.
+    """
+
+    def __init__(self, eps: float = 1e-4, batch_normalize: bool = True) -> None:
+        if not eps > 0:
+            raise ValueError(f"`model.advantage.init_args.eps` must be > 0, got {eps}")
+        self.decouple_eps, self.batch_normalize = eps, batch_normalize
+
+    def estimate(self, rollout: Rollout, collectives: Collectives) -> Estimate:
+        x = rollout.decoupled_rewards
+        if x is None:
+            raise ValueError("GDPO advantages need the rewards stage's per-group decoupled sums "
+                             "(`rollout.decoupled_rewards`): build the module with `model.advantage` GDPO")
+        x = x.float()
+        if self.batch_normalize:
+            moments = collectives.sum(sequence_moments(x))  # every rank, whatever its rows
+            x = batch_normalized(x, self.decouple_eps, moments)
+        return {"advantages": x}, {}
+
+
+class LeaveOneOut(AdvantageEstimator):
     """REINFORCE leave-one-out (Ahmadian et al., 2024): ``r_i - mean of the other G - 1 rewards``."""
 
     def estimate(self, rollout: Rollout, collectives: Collectives) -> Estimate:

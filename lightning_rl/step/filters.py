@@ -43,6 +43,9 @@ class DynamicSampling(RolloutFilter):
     score (verl's ``filter_groups.metric`` on the reward): the same for a 0 / 1 function, while a shaped
     one's group that never reaches 1.0 but scores differently is kept. Never the shaped total: an overlong
     penalty cannot make an all-wrong group look informative.
+    Under GDPO (``model.advantage`` ``GDPO``) without a correctness signal of its own, the outcome is the sum
+    of the functions' group-normalised scores that the advantages come from: a group whose summed reward (or
+    main function) is constant while the functions vary is kept (SkyRL#2104).
 
     The number of rounds is agreed by all ranks: before each refill a "this rank needs more" flag is
     all-reduced (max) and every rank refills while any rank needs to (a full rank's extra groups are
@@ -92,7 +95,9 @@ class DropUniformGroups(RolloutFilter):
     Unlike the updater's exact skipping (``model.update.skip_zero_rows``, the default), this **changes the
     loss**: the dropped rows leave the normalisers (``token-mean``'s token count, the sequence means' row
     count), so each remaining token weighs more, and a KL or entropy term no longer reaches the dropped
-    rows. Named in YAML under ``model.filters.extra`` (``class_path:
+    rows. Under GDPO it reads the decoupled sums the advantages come from (``rollout.decoupled_rewards``): a
+    group whose summed reward is constant while its functions vary carries signal (SkyRL#2104). Named in YAML
+    under ``model.filters.extra`` (``class_path:
     lightning_rl.step.filters.DropUniformGroups``). Logs ``rollout/dropped_uniform_group_frac``; a rank left
     without rows joins the update with empty micro-batches.
     """
@@ -100,6 +105,8 @@ class DropUniformGroups(RolloutFilter):
     def __call__(self, rollout: Rollout, refill: Refill,
                  collectives: Collectives) -> tuple[Rollout, dict[str, float]]:
         size = group_size(rollout)
-        keep = group_spread(rollout.rewards, size)
+        spread = rollout.rewards if rollout.decoupled_rewards is None else \
+            torch.round(rollout.decoupled_rewards, decimals=6)
+        keep = group_spread(spread, size)
         dropped = 1.0 - float(keep.float().mean()) if len(keep) else 0.0
         return rollout.select(keep.repeat_interleave(size)), {"rollout/dropped_uniform_group_frac": dropped}

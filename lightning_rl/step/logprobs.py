@@ -1,4 +1,5 @@
-"""The log-prob passes of the RL step: reference and behaviour log-probs of a rollout's sampled tokens.
+"""The log-prob stages of the RL step: the frozen models' (reference, teacher) and the behaviour log-probs
+of a rollout's sampled tokens, and the critic's values.
 
 Every pass scores at the sampling temperature on the unfiltered distribution (top-k / top-p belong to
 sampling only), reads ``attention_mask`` for the context and runs under ``no_grad`` in micro-batches.
@@ -28,6 +29,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from lightning_rl.models.frozen import FrozenModels
 from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.rollout import Rollout, exclude_nonfinite
 
@@ -73,40 +75,96 @@ def resolve_behaviour(source: str, updates_per_rollout: int, engine: Any) -> str
     return source
 
 
-class LogProbPasses:
-    """Reference and behaviour log-probs of a rollout (the step's ``log-prob passes`` stage).
+class BehaviourLogProbs:
+    """The stage that sets the rollout's behaviour log-probs (``old_logp``) from the source this step uses:
+    ``(rollout, collectives) -> (rollout, {"perf/old_logprob_time": s})``.
 
     Args:
-        behaviour: where behaviour log-probs come from (see the module docstring).
+        behaviour: ``model.logprobs.behaviour`` (see the module docstring), resolved against ``engine`` at
+            every step (the engine attached then decides what is exact).
+        engine: the module's rollout engine.
+        policy: the trained policy, which ``recompute`` scores the rollout with.
         temperature: the sampling temperature the tokens were drawn at.
+        updates_per_rollout: optimiser steps per rollout (``on_policy`` is exact only for one).
         micro_batch_size: rows per forward (``None``: all at once).
+        read_later: a later stage reads the sampling policy's log-probs (distillation's advantages): an
+            ``on_policy`` step then scores them when the engine did not return them.
     """
 
-    def __init__(self, behaviour: str, temperature: float, micro_batch_size: int | None) -> None:
-        self.behaviour, self.temperature, self.micro_batch_size = behaviour, temperature, micro_batch_size
+    def __init__(self, behaviour: str, *, engine: Any, policy: Any, temperature: float,
+                 updates_per_rollout: int, micro_batch_size: int | None, read_later: bool = False) -> None:
+        self.behaviour, self.engine, self.policy, self.temperature = behaviour, engine, policy, temperature
+        self.updates_per_rollout, self.micro_batch_size = updates_per_rollout, micro_batch_size
+        self.read_later = read_later
 
-    def __call__(self, rollout: Rollout, policy: Any, reference: Any,
-                 collectives: Collectives) -> tuple[Rollout, dict[str, float]]:
-        """The rollout with ``ref_logp`` (when there is a reference) and ``old_logp`` set, and the passes'
-        times. Empty rollouts run the passes too: their forward counts may be collectives."""
-        def score(scorer: Any) -> Tensor:
-            joiner = policy if scorer is policy or getattr(scorer, "shares_weights", False) else None
-            return score_rollout(scorer, rollout, temperature=self.temperature,
-                                 micro_batch_size=self.micro_batch_size, collectives=collectives,
-                                 joiner=joiner)
+    def source(self, rollout: Rollout) -> str:
+        """This step's source, ``auto`` resolved against the engine attached now."""
+        behaviour = resolve_behaviour(self.behaviour, self.updates_per_rollout, self.engine)
+        if behaviour == "on_policy" and self.read_later and rollout.rollout_logp is None:
+            return "recompute"  # the same numbers as the current log-probs before the update
+        return behaviour
 
-        start = time.perf_counter()
-        ref_logp = rollout.ref_logp  # scored where the rollout was sampled (a worker sampling ahead), or:
-        if ref_logp is None and reference is not None:
-            ref_logp = score(reference)
-        middle = time.perf_counter()
-        if self.behaviour == "recompute":
-            old_logp = score(policy)
+    def __call__(self, rollout: Rollout, collectives: Collectives) -> tuple[Rollout, dict[str, float]]:
+        start, source = time.perf_counter(), self.source(rollout)
+        if source == "recompute":  # empty rollouts too: their forward counts may be collectives
+            old_logp = score_rollout(self.policy, rollout, temperature=self.temperature,
+                                     micro_batch_size=self.micro_batch_size, collectives=collectives,
+                                     joiner=self.policy)
         else:
-            old_logp = rollout.rollout_logp if self.behaviour == "from_engine" else None
-        end = time.perf_counter()
-        return replace(rollout, ref_logp=ref_logp, old_logp=old_logp), {
-            "perf/reference_time": middle - start, "perf/old_logprob_time": end - middle}
+            old_logp = rollout.rollout_logp if source == "from_engine" else None
+        return replace(rollout, old_logp=old_logp), {"perf/old_logprob_time": time.perf_counter() - start}
+
+
+FROZEN_FIELDS = {"reference": "ref_logp", "teacher": "teacher_logp"}  # the rollout field each model fills
+
+
+class FrozenLogProbs:
+    """The stage that scores the sampled tokens under a frozen model (:class:`FrozenModels`): the reference
+    into ``ref_logp``, a distillation teacher into ``teacher_logp``, at the sampling temperature on the
+    unfiltered distribution like every log-prob pass, unless the worker sampling ahead scored them where it
+    sampled. A model that shares the trained weights (a LoRA reference) runs them: its forward count is
+    agreed over ranks like the policy's.
+
+    Args:
+        models: the module's frozen models; ``name`` is looked up when the stage runs (declared later by a
+            preset, or not at all: then the field stays as it is).
+        name: ``reference`` or ``teacher``; it fills the rollout field :data:`FROZEN_FIELDS` names.
+        policy: the trained policy (the joiner of a model that shares its weights).
+        temperature: the sampling temperature the tokens were drawn at.
+        micro_batch_size: rows per forward (``None``: the whole rollout at once).
+        time_key: the metric of its time.
+        excluded_key: where it counts the tokens it leaves out of the loss for a non-finite log-prob
+            (``None``: the learner's common exclusion after the behaviour pass counts them).
+    """
+
+    def __init__(self, models: FrozenModels, name: str, *, policy: Any, temperature: float,
+                 micro_batch_size: int | None, time_key: str, excluded_key: str | None = None) -> None:
+        self.models, self.name, self.field, self.policy = models, name, FROZEN_FIELDS[name], policy
+        self.temperature, self.micro_batch_size = temperature, micro_batch_size
+        self.time_key, self.excluded_key = time_key, excluded_key
+
+    def __call__(self, rollout: Rollout, collectives: Collectives) -> tuple[Rollout, dict[str, float]]:
+        start = time.perf_counter()
+        scores = rollout.ref_logp if self.field == "ref_logp" else rollout.teacher_logp
+        scorer = self.models.get(self.name)
+        if scores is None and scorer is not None:
+            scores = score_rollout(scorer, rollout, temperature=self.temperature,
+                                   micro_batch_size=self.micro_batch_size, collectives=collectives,
+                                   joiner=self.policy if scorer.shares_weights else None)
+        rollout = replace(rollout, **{self.field: scores})
+        stats = {self.time_key: time.perf_counter() - start}
+        if self.excluded_key is not None:
+            rollout, stats[self.excluded_key] = exclude_nonfinite(rollout)
+        return rollout, stats
+
+
+class ExcludeNonfinite:
+    """The stage that leaves out of the loss every token whose behaviour or reference log-prob is not finite
+    (``rollout/excluded_tokens``)."""
+
+    def __call__(self, rollout: Rollout, collectives: Collectives) -> tuple[Rollout, dict[str, float]]:
+        rollout, excluded = exclude_nonfinite(rollout)
+        return rollout, {"rollout/excluded_tokens": excluded}
 
 
 @torch.no_grad()
@@ -139,31 +197,3 @@ class CriticValues:
     def __call__(self, rollout: Rollout, collectives: Collectives) -> tuple[Rollout, dict[str, float]]:
         return replace(rollout, values=score_values(self.critic, rollout, self.micro_batch_size,
                                                     collectives)), {}
-
-
-class TeacherLogProbs:
-    """The stage that scores the sampled tokens under a frozen distillation teacher (``rollout.teacher_logp``)
-    at the sampling temperature, on the unfiltered distribution like every log-prob pass.
-
-    The teacher is whole on every rank (never sharded, like the reference): its forwards are local, so a
-    rank with fewer rows makes fewer of them without meeting another rank's collective.
-
-    Args:
-        teacher: a frozen scorer with ``token_logprobs`` (``lightning_rl.models.teacher.load_teacher``).
-        temperature: the sampling temperature the tokens were drawn at.
-        micro_batch_size: rows per forward (``None``: the whole rollout at once).
-    """
-
-    def __init__(self, teacher: Any, temperature: float, micro_batch_size: int | None) -> None:
-        self.teacher, self.temperature, self.micro_batch_size = teacher, temperature, micro_batch_size
-
-    def __call__(self, rollout: Rollout, collectives: Collectives) -> tuple[Rollout, dict[str, float]]:
-        start = time.perf_counter()
-        teacher_logp = rollout.teacher_logp  # scored where the rollout was sampled (a worker ahead), or:
-        if teacher_logp is None:
-            teacher_logp = score_rollout(self.teacher, rollout, temperature=self.temperature,
-                                         micro_batch_size=self.micro_batch_size, collectives=collectives)
-        # a non-finite teacher log-prob leaves the loss, as a non-finite behaviour or reference one does
-        rollout, excluded = exclude_nonfinite(replace(rollout, teacher_logp=teacher_logp))
-        return rollout, {"perf/teacher_time": time.perf_counter() - start,
-                         "distill/teacher_excluded_tokens": excluded}

@@ -19,7 +19,7 @@ import torch
 from torchmetrics import MaxMetric, MeanMetric
 
 # the step statistics that are logged
-STEP_STAT_PREFIXES = ("perf/", "rollout/", "critic/", "policy/", "distill/")
+STEP_STAT_PREFIXES = ("perf/", "rollout/", "critic/", "policy/", "distill/", "curriculum/")
 NOT_LOGGED = ("perf/generated_tokens",)
 
 

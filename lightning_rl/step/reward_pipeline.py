@@ -46,6 +46,8 @@ class RewardResult:
         scores: the reward functions' scores, failures and errors (``RewardScores``).
         stats: ``rollout/reward_errors``, ``rollout/overlong_penalty_mean``, ``perf/reward_time``.
         outcome: ``[N]`` float: what DAPO's filter compares within a group (:meth:`RewardPipeline.outcome`).
+        decoupled: ``[N]`` float, GDPO's per-group decoupled sum of the functions' scores
+            (``maths.multi_reward.gdpo_group_sum``), when the advantage estimator reads it; else ``None``.
     """
 
     rewards: Any
@@ -53,6 +55,7 @@ class RewardResult:
     scores: RewardScores
     stats: dict[str, float]
     outcome: Any = None
+    decoupled: Any = None
 
 
 class RewardPipeline:
@@ -66,6 +69,9 @@ class RewardPipeline:
         reward_model_weight: weight of its score.
         render: ``prompts -> (rendered texts, add_special_tokens)`` for the reward model's re-tokenising.
         overlong: ``(max_len, buffer, factor)`` of DAPO's soft overlong punishment, or None.
+        decouple_eps: GDPO (``lightning_rl.step.estimators.GDPO``): each function's scores are normalised
+            within the group (this ``eps`` under the std) and summed with the weights, per batch of whole
+            groups (``group_size``); DAPO's filter then reads that sum. ``None``: off.
 
     Each part's time (every reward function, the reward model, ``correctness_fn``) is summed in ``timings``
     until :meth:`warn_if_slow`, which names the slowest when rewards take most of a training step.
@@ -73,8 +79,8 @@ class RewardPipeline:
 
     def __init__(self, scorer: RewardScorer | None, correctness_fn: RewardFn, *, reward_model: Any = None,
                  reward_model_weight: float = 1.0, render: Any = None,
-                 overlong: tuple[int, int, float] | None = None) -> None:
-        self.scorer, self.correctness_fn = scorer, correctness_fn
+                 overlong: tuple[int, int, float] | None = None, decouple_eps: float | None = None) -> None:
+        self.scorer, self.correctness_fn, self.decouple_eps = scorer, correctness_fn, decouple_eps
         self.reward_model, self.reward_model_weight = reward_model, reward_model_weight
         self.render, self.overlong = render, overlong
         self.timings: dict[str, list[float]] = {}  # part -> [seconds, calls] since the last `warn_if_slow`
@@ -108,15 +114,15 @@ class RewardPipeline:
         )
 
     def score(self, prompts: Sequence[Any], texts: list[str], lengths: list[int], columns: dict[str, list],
-              returns: Sequence[float] | None = None,
-              failed: Sequence[bool] | None = None) -> tuple[Any, RewardScores]:
+              returns: Sequence[float] | None = None, failed: Sequence[bool] | None = None,
+              group_size: int | None = None) -> tuple[Any, RewardScores]:
         """``[N]`` rewards (functions + reward model + an episode's ``returns``, unshaped: what validation,
         predictions and sample tables show; 0 where the episode's environment ``failed``) and the functions'
-        scores."""
+        scores. ``group_size``: the groups group rewards score (``None``: runs of one prompt)."""
         import torch
 
         if self.scorer is not None:
-            scores = self.scorer.score(prompts, texts, completion_lengths=lengths, **columns)
+            scores = self.scorer.score(prompts, texts, group_size, completion_lengths=lengths, **columns)
             for name, seconds in zip(self.scorer.names, scores.seconds, strict=False):
                 self.timed(f"reward function `{name}`", seconds)
         else:
@@ -135,7 +141,7 @@ class RewardPipeline:
     def __call__(self, prompts: Sequence[Any], texts: list[str], lengths: list[int], columns: dict[str, list],
                  *, collectives: Any = None, decide: bool = True, returns: Any = None,
                  said_correct: Sequence[bool | None] | None = None,
-                 failed: Sequence[bool] | None = None) -> RewardResult:
+                 failed: Sequence[bool] | None = None, group_size: int | None = None) -> RewardResult:
         """Score one batch; warnings on rank 0. ``decide``: whether too many rewards failed, on counts summed
         over ranks (every rank once per step, on its first batch; refill rounds are rank-dependent in
         number, so they never decide, their failures are counted and warned about).
@@ -143,11 +149,12 @@ class RewardPipeline:
         Episodes: ``returns`` (``[N]``, each episode's environment rewards) are added last;
         ``said_correct`` (the environments' ``info["correct"]``) is the correctness when every episode has
         one, else ``correctness_fn`` decides; an episode whose environment ``failed`` (``on_error: zero``)
-        gets reward 0 and is not correct, whatever the functions, a reward model or shaping said."""
+        gets reward 0 and is not correct, whatever the functions, a reward model or shaping said.
+        ``group_size``: the sampler's G (group rewards and GDPO read the groups)."""
         import torch
 
         start = time.perf_counter()
-        rewards, scores = self.score(prompts, texts, lengths, columns)
+        rewards, scores = self.score(prompts, texts, lengths, columns, group_size=group_size)
         if collectives is not None and decide:
             self.check_failures(scores, collectives)
         if collectives is None or collectives.rank == 0:
@@ -161,12 +168,26 @@ class RewardPipeline:
         if returns is not None:
             rewards = rewards + returns
         correct = unless_failed(self.correctness(prompts, texts, columns, scores, said_correct), failed)
-        outcome = unless_failed(self.outcome(correct, scores, said_correct), failed)
+        decoupled = None if self.decouple_eps is None else self.decoupled(scores, group_size)
+        outcome = unless_failed(self.outcome(correct, scores, said_correct, decoupled), failed)
         rewards = unless_failed(rewards, failed)
         stats = {"rollout/reward_errors": float(len(scores.failed)),
                  "rollout/overlong_penalty_mean": float(penalty.mean()) if len(penalty) else 0.0,
-                 "perf/reward_time": time.perf_counter() - start}
-        return RewardResult(rewards, correct, scores, stats, outcome)
+                 "perf/reward_time": time.perf_counter() - start, **(scores.metrics or {})}
+        return RewardResult(rewards, correct, scores, stats, outcome, decoupled)
+
+    def decoupled(self, scores: RewardScores, group_size: int | None) -> Any:
+        """``[N]`` GDPO's decoupled sum of the functions' scores within each group of ``group_size``."""
+        import torch
+
+        from lightning_rl.maths.multi_reward import gdpo_group_sum
+
+        assert self.scorer is not None and self.decouple_eps is not None
+        if group_size is None:
+            raise ValueError("GDPO normalises each reward function within its group: score whole groups "
+                             "(`group_size`)")
+        values = torch.tensor(scores.values, dtype=torch.float64).reshape(len(scores.values), -1).T
+        return gdpo_group_sum(values, group_size, torch.tensor(self.scorer.weights), self.decouple_eps)
 
     def correctness(self, prompts: Sequence[Any], texts: list[str], columns: dict[str, list],
                     scores: RewardScores, said: Sequence[bool | None] | None) -> Any:
@@ -193,22 +214,32 @@ class RewardPipeline:
         return isinstance(self.correctness_fn, FullScore) and self.scorer is not None \
             and self.correctness_fn.name in self.scorer.names
 
-    def outcome(self, correct: Any, scores: RewardScores, said: Sequence[bool | None] | None) -> Any:
+    def outcome(self, correct: Any, scores: RewardScores, said: Sequence[bool | None] | None,
+                decoupled: Any = None) -> Any:
         """``[N]`` float, what DAPO's dynamic sampling compares within a group (it keeps groups whose
         outcomes differ): correctness (0 / 1) when it is a signal of its own (the environments' or a
         correctness function's); when it is read off the main reward function at its full score, that
         function's raw score, unshaped (for a 0 / 1 function the same; for a shaped one, a group whose
-        samples all fall short of 1.0 but score differently is informative and kept)."""
+        samples all fall short of 1.0 but score differently is informative and kept); under GDPO
+        (``decoupled``) the decoupled sum instead, rounded to 1e-6: a group whose functions vary carries
+        signal even where their weighted sum, or the main function, is constant (SkyRL#2104), and one whose
+        normalised scores cancel exactly carries none."""
         import torch
 
         if (said and all(c is not None for c in said)) or not self.scores_correctness:
             return correct.float()
+        if decoupled is not None:
+            return torch.round(decoupled, decimals=6)
         assert self.scorer is not None
         return torch.tensor(scores.values[self.scorer.names.index(self.correctness_fn.name)],
                             dtype=torch.float32)
 
     def outcome_name(self) -> str:
         """What :meth:`outcome` is, for the first log line of a run that filters on it."""
+        if self.scores_correctness and self.decouple_eps is not None:
+            return ("GDPO's sum of the reward functions' scores, each normalised within its group (no "
+                    "correctness signal of its own: `model.rewards.correctness_fn` and `accuracy_fn` are "
+                    "unset)")
         if self.scores_correctness:
             return (f"the score of `{self.correctness_fn.name}` (no correctness signal of its own: "
                     "`model.rewards.correctness_fn` and `accuracy_fn` are unset; a 0 / 1 score is "

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from lightning_rl import moved_hint, split_import_path
 from lightning_rl.step.unsafe import refuse_unsafe
-from lightning_rl.step.workers import WORKERS, CallTimedOut, Worker, awaited
+from lightning_rl.step.workers import WORKERS, CallTimedOut, ProcessWorker, awaited
 
 RewardFn = Callable[..., Sequence[float]]
 
@@ -140,7 +140,7 @@ def run_all(jobs: Sequence[Job], timeout: float | None) -> list[Outcome]:
     return out
 
 
-def _send(job: Job) -> Worker | Exception:
+def _send(job: Job) -> ProcessWorker | Exception:
     """The worker the job was sent to, or why it could not be (arguments that do not pickle)."""
     try:
         return WORKERS.start(job.fn, job.args, job.kwargs, job.post)
@@ -148,7 +148,7 @@ def _send(job: Job) -> Worker | Exception:
         return err
 
 
-def _process_outcome(worker: Worker | Exception, left: float | None, timeout: float | None,
+def _process_outcome(worker: ProcessWorker | Exception, left: float | None, timeout: float | None,
                      start: float) -> Outcome:
     if isinstance(worker, Exception):
         return Outcome(error=worker)
@@ -203,7 +203,18 @@ class FullScore:
         self.name, self.fn = name, fn
 
     def __call__(self, **kwargs: Any) -> list[bool]:
-        return [float(v) >= self.FULL for v in self.fn(**kwargs)]
+        """Per sample: scored at least ``FULL`` (a group reward is called per run of one prompt, an ``async``
+        one awaited here; a sample the function failed on is not correct)."""
+        from lightning_rl.step.reward_calls import BatchCall, group_bounds
+
+        call = BatchCall(self.fn)
+        bounds = group_bounds(kwargs["prompts"], None)
+        value = call(bounds, kwargs)
+        result, _ = asyncio.run(value) if inspect.isawaitable(value) else value
+        if call.group:
+            result = [v for (status, group), (a, b) in zip(result, bounds, strict=True)
+                      for v in (group if status == "ok" else [math.nan] * (b - a))]
+        return [not isinstance(v, BaseException) and float(v) >= self.FULL for v in result]
 
     def __repr__(self) -> str:
         return f"{self.name} (correct at its full score, {self.FULL})"

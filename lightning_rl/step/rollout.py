@@ -56,6 +56,8 @@ class Rollout:
         outcome: ``[N]`` float, what DAPO's dynamic sampling compares within a group
             (``RewardPipeline.outcome``: correctness, or the main reward function's raw score when
             correctness is read off it). ``None``: ``correct``.
+        decoupled_rewards: ``[N]`` float, GDPO's sum of the reward functions' scores each normalised within
+            its group (``RewardPipeline.decoupled``), what ``estimators.GDPO`` reads; ``None`` otherwise.
     """
 
     prompt_ids: Tensor
@@ -80,6 +82,7 @@ class Rollout:
     returns: Tensor | None = None
     versions: Tensor | None = None
     outcome: Tensor | None = None
+    decoupled_rewards: Tensor | None = None
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -126,7 +129,8 @@ class Rollout:
 
     @classmethod
     def from_generation(cls, gen: Generation, group_ids: Tensor, rewards: Tensor, correct: Tensor,
-                        mask_truncated: bool = False, outcome: Tensor | None = None) -> Rollout:
+                        mask_truncated: bool = False, outcome: Tensor | None = None,
+                        decoupled_rewards: Tensor | None = None) -> Rollout:
         """A rollout of ``gen``: the loss counts every sampled token (not observation tokens of episodes, not
         truncated rows' when ``mask_truncated``)."""
         loss_mask = gen.completion_mask if gen.model_mask is None else gen.model_mask
@@ -134,7 +138,7 @@ class Rollout:
             loss_mask = loss_mask * (~gen.truncated).long()[:, None]
         return cls(gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask, loss_mask,
                    gen.truncated, gen.lengths, group_ids, rewards, correct, rollout_logp=gen.rollout_logp,
-                   model_mask=gen.model_mask, outcome=outcome)
+                   model_mask=gen.model_mask, outcome=outcome, decoupled_rewards=decoupled_rewards)
 
     @staticmethod
     def cat(parts: list[Rollout]) -> Rollout:

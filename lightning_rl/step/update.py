@@ -24,6 +24,7 @@ from lightning_rl.maths.losses import value_loss
 from lightning_rl.models.packing import packable
 from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.rollout import Rollout
+from lightning_rl.step.selection import SelectedRows
 
 MicroLoss = Callable[[Rollout, Tensor, Tensor], tuple[Tensor, dict[str, Tensor]]]
 
@@ -43,6 +44,9 @@ class TrainedModel:
         counts_as_step: its step is the trainer's step (``global_step``); others step alongside.
         reaches: ``micro -> [N] bool``: the rows on which its loss can be non-zero (every other row adds
             exactly zero to the loss and its gradient); ``None``: every row.
+        select: ``(minibatch, collectives, seed) -> minibatch``: a stage run on every rank before the
+            micro-batches of each minibatch, that attaches the loss's whole-minibatch token selection
+            (:func:`lightning_rl.step.selection.select_tokens`); ``None``: none.
     """
 
     name: str
@@ -52,6 +56,8 @@ class TrainedModel:
     summed: tuple[str, ...] = ()
     counts_as_step: bool = True
     reaches: Callable[[Rollout], Tensor] | None = None
+    select: Callable[[Rollout, Collectives, int], Rollout] | None = None
+
 
 
 @dataclass
@@ -115,11 +121,14 @@ class Updater:
         """Every update of the step; yields each micro-batch's metrics and its share of the minibatch."""
         for _ in range(self.ppo_epochs):
             for minibatch in self.split(rollout, generator):
-                yield from self.update(minibatch, trained, hooks, collectives)
+                yield from self.update(minibatch, trained, hooks, collectives, generator.initial_seed())
 
     def update(self, minibatch: Rollout, trained: list[TrainedModel], hooks: UpdateHooks,
-               collectives: Collectives) -> Iterator[tuple[dict[str, Tensor], float]]:
-        """One optimiser step of every trained model on ``minibatch``, accumulated over micro-batches."""
+               collectives: Collectives, seed: int = 0) -> Iterator[tuple[dict[str, Tensor], float]]:
+        """One optimiser step of every trained model on ``minibatch``, accumulated over micro-batches; first
+        each model's ``select`` stage (``seed``: the step's, for random selections)."""
+        for t in trained:
+            minibatch = t.select(minibatch, collectives, seed) if t.select is not None else minibatch
         counts = torch.stack(normalizer_counts(minibatch.loss_mask)).float()
         num_tokens, num_seqs = collectives.sum(counts).unbind()
         world = collectives.world_size
@@ -157,12 +166,15 @@ class Updater:
         """``rows`` in micro-batches (by row count, or by token budget), each without shared padding."""
         if not len(rows):
             return [rows]
+        device = rows.completion_ids.device
+        return [rows.select(index.to(device)).trimmed() for index in self.micro_rows(rows)]
+
+    def micro_rows(self, rows: Rollout) -> list[Tensor]:
+        """The row indices of each micro-batch of ``rows`` (non-empty)."""
         if self.micro_batch_tokens is None:
-            size = self.micro_batch_size or len(rows)
-            return [micro.trimmed() for micro in rows.minibatches(size)]
-        bins = token_bins(rows.prompt_mask, rows.attention_mask, self.micro_batch_tokens,
+            return list(torch.arange(len(rows)).split(self.micro_batch_size or len(rows)))
+        return token_bins(rows.prompt_mask, rows.attention_mask, self.micro_batch_tokens,
                           self.micro_batch_size or len(rows))
-        return [rows.select(index.to(rows.completion_ids.device)).trimmed() for index in bins]
 
     def reached_rows(self, minibatch: Rollout, trained: list[TrainedModel]) -> Rollout:
         """The rows of ``minibatch`` some trained model's loss reaches (all of them when not skipping)."""
@@ -204,17 +216,23 @@ def pad_fraction(micro: Rollout, trained: list[TrainedModel]) -> Tensor:
 
 def policy_rows(micro: Rollout, kl_coef: float, entropy_coef: float) -> Tensor:
     """The rows the policy loss reaches: those with a loss token and, without a KL or entropy term, a
-    non-zero advantage on one (every trust region multiplies each token's term by its advantage)."""
+    non-zero advantage on one (every trust region multiplies each token's term by its advantage, except
+    KL-Cov's penalty on its selected tokens) among the tokens a high-entropy selection keeps."""
     mask = micro.loss_mask.bool()
     if kl_coef or entropy_coef or micro.advantages is None:
         return mask.any(1)
     advantages = micro.advantages if micro.advantages.dim() == 2 else micro.advantages[:, None]
-    return (mask & (advantages != 0)).any(1)
+    reached = mask & (advantages != 0)
+    if isinstance(micro, SelectedRows):
+        reached = reached | (mask & micro.selected) if micro.selected is not None else reached
+        reached = reached & micro.high_entropy if micro.high_entropy is not None else reached
+    return reached.any(1)
 
 
-def policy_loss(policy: Any, micro: Rollout, objective: Any, entropy_coef: float, temperature: float,
-                num_tokens: Tensor, num_seqs: Tensor,
-                correction: Any = None) -> tuple[Tensor, dict[str, Any]]:
+
+def micro_batch_policy_loss(policy: Any, micro: Rollout, objective: Any, entropy_coef: float,
+                            temperature: float, num_tokens: Tensor, num_seqs: Tensor,
+                            correction: Any = None) -> tuple[Tensor, dict[str, Any]]:
     """The policy's loss on a micro-batch: the objective (normalised by the minibatch's global counts)
     minus ``entropy_coef`` x the entropy, aggregated like the loss; ``policy/entropy`` is always logged.
     Log-probs are scored at the sampling ``temperature``; on-policy rows (``old_logp`` None) use the current
@@ -226,8 +244,13 @@ def policy_loss(policy: Any, micro: Rollout, objective: Any, entropy_coef: float
     weights, mismatch = micro.is_weights, {}
     if micro.old_logp is None and micro.rollout_logp is not None and correction is not None:
         weights, mismatch = correction.weights(old_logp, micro.rollout_logp, micro.loss_mask)
+    if objective.selects_tokens and not isinstance(micro, SelectedRows):
+        raise RuntimeError("the objective selects tokens over the whole minibatch, but no `select` stage "
+                           "ran before the micro-batches (`TrainedModel.select`: `select_tokens`)")
+    selection = micro.selection if isinstance(micro, SelectedRows) else None
     loss, metrics = objective(logp, old_logp, micro.ref_logp, micro.advantages, micro.loss_mask,
-                              num_tokens=num_tokens, num_seqs=num_seqs, token_weights=weights)
+                              num_tokens=num_tokens, num_seqs=num_seqs, token_weights=weights,
+                              selection=selection, sampler_logp=micro.rollout_logp)
     metrics.update(mismatch)
     if entropy_coef:
         loss = loss - entropy_coef * aggregate(entropy, micro.loss_mask, objective.aggregation,

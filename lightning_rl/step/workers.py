@@ -1,8 +1,8 @@
 """Calls that can be stopped: user code (tools, reward functions) in forked worker processes that are killed
 on timeout (a batch's reward functions at once: :func:`lightning_rl.step.rewards.run_all`).
 
-A :class:`Worker` is a child forked from this process (:func:`lightning_rl.step.forking.fork`: from a fresh
-thread) that runs one call at a time. The function is inherited at fork (:func:`register` it first, so
+A :class:`ProcessWorker` is a child forked from this process (:func:`lightning_rl.step.forking.fork`: from a
+fresh thread) that runs one call at a time. The function is inherited at fork (:func:`register` it first, so
 closures and test-local functions work too); the arguments and the result travel by pipe, pickled. A call
 past its timeout costs the worker: it is killed with SIGKILL and reaped, so a function stuck in C code that
 holds the GIL (a catastrophic regex) is stopped too, and no thread is left behind. A worker dies with its
@@ -132,7 +132,7 @@ def _serve(conn: Any, parent: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------ the parent
-class Worker:
+class ProcessWorker:
     """One forked child that runs registered functions, one call at a time."""
 
     def __init__(self) -> None:
@@ -208,14 +208,14 @@ class WorkerPool:
     """Idle workers kept for reuse (at most ``max_idle``) and what happened to the others."""
 
     max_idle: int = 4
-    idle: list[Worker] = field(default_factory=list)
-    live: dict[int, Worker] = field(default_factory=dict)  # pid -> every worker not yet killed
+    idle: list[ProcessWorker] = field(default_factory=list)
+    live: dict[int, ProcessWorker] = field(default_factory=dict)  # pid -> every worker not yet killed
     started: int = 0  # workers forked
     timeouts: int = 0  # calls that timed out (each cost a worker)
     deaths: int = 0  # workers that ended during a call
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def acquire(self, key: int) -> Worker:
+    def acquire(self, key: int) -> ProcessWorker:
         """An idle worker that knows ``key`` (-1: any), else a new one (a worker forked before ``key`` was
         registered is replaced)."""
         stale = []
@@ -230,13 +230,13 @@ class WorkerPool:
         for old in stale:
             self.drop(old)
         if worker is None:
-            worker = Worker()
+            worker = ProcessWorker()
             with self.lock:
                 self.started += 1
                 self.live[worker.pid] = worker
         return worker
 
-    def release(self, worker: Worker) -> None:
+    def release(self, worker: ProcessWorker) -> None:
         """Keep a worker that answered for the next call, or end it when enough are idle."""
         with self.lock:
             if len(self.idle) < self.max_idle:
@@ -244,7 +244,7 @@ class WorkerPool:
                 return
         self.drop(worker)
 
-    def drop(self, worker: Worker) -> None:
+    def drop(self, worker: ProcessWorker) -> None:
         worker.kill()
         with self.lock:
             self.live.pop(worker.pid, None)
@@ -256,7 +256,7 @@ class WorkerPool:
         return self.finish(pending, timeout)
 
     def start(self, fn: Callable[..., Any], args: tuple, kwargs: dict,
-              post: Callable[[Any], Any] | None = None) -> Worker:
+              post: Callable[[Any], Any] | None = None) -> ProcessWorker:
         """Send a call to a worker; :meth:`finish` waits for it."""
         name = target(fn)
         worker = self.acquire(name if isinstance(name, int) else -1)
@@ -273,9 +273,9 @@ class WorkerPool:
             raise
         return worker
 
-    def finish(self, worker: Worker, timeout: float | None) -> Any:
-        """The value of the call sent to ``worker`` (raises as ``Worker.result``); the worker is kept for
-        reuse unless the call timed out, ended it, or was interrupted."""
+    def finish(self, worker: ProcessWorker, timeout: float | None) -> Any:
+        """The value of the call sent to ``worker`` (raises as ``ProcessWorker.result``); the worker is kept
+        for reuse unless the call timed out, ended it, or was interrupted."""
         try:
             value = worker.result(timeout)
         except CallRaised:

@@ -388,12 +388,12 @@ def test_validate_and_predict_build_no_reference_fit_does(tmp_path):
     from helpers import datamodule, make, make_trainer
 
     module = make(objective={"kl_coef": 0.04})
-    assert module._reference is None
+    assert "reference" in module.frozen and not module.frozen.is_built("reference")
     make_trainer(tmp_path, limit_val_batches=1).validate(module, datamodule(max_val_rows=4))
     make_trainer(tmp_path).predict(module, datamodule(max_val_rows=4))
-    assert module._reference is None
+    assert not module.frozen.is_built("reference")
     make_trainer(tmp_path).fit(module, datamodule())
-    assert module._reference is not None and not module._reference.shares_weights
+    assert module.frozen.is_built("reference") and not module.reference_policy().shares_weights
     assert make(objective={"kl_coef": 0.0}).reference_policy() is None
 
 

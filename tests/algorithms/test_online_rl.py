@@ -25,7 +25,7 @@ from lightning_rl.maths.advantages import dapo_group_keep
 from lightning_rl.maths.aggregation import normalizer_counts
 from lightning_rl.maths.penalties import overlong_penalty
 from lightning_rl.step.collectives import Collectives
-from lightning_rl.step.logprobs import LogProbPasses, resolve_behaviour, score_rollout
+from lightning_rl.step.logprobs import resolve_behaviour, score_rollout
 from lightning_rl.step.reward_scorer import RewardError
 from lightning_rl.step.rollout import Rollout
 
@@ -106,10 +106,16 @@ def update(module, rollout) -> None:
         pass
 
 
-def behaviour_passes(module) -> LogProbPasses:
-    """The step's log-prob passes as the module configures them now (``behaviour_logp`` resolved)."""
-    behaviour = resolve_behaviour(module.learner.behaviour, module.updater.updates_per_rollout, module.engine)
-    return LogProbPasses(behaviour, module.sampling.temperature, module.updater.micro_batch_size)
+def behaviour_passes(module):
+    """The step's reference and behaviour log-prob stages as the module declares them now (its first two
+    learner stages), run one after the other."""
+    reference, behaviour = module.learner_stages()[:2]
+
+    def run(rollout, collectives):
+        rollout, _ = reference(rollout, collectives)
+        return behaviour(rollout, collectives)
+
+    return run
 
 
 # reward functions named by path -------------------------------------------------------------------------
@@ -249,7 +255,8 @@ def test_single_update_skips_the_old_policy_forward_pass(tmp_path, monkeypatch):
     trainer = make_trainer(tmp_path, max_steps=2, callbacks=[cap])
     trainer.fit(module, datamodule())
     assert trainer.global_step == 2 and len(cap.rollouts) == 2
-    assert behaviour_passes(module).behaviour == "on_policy"  # `auto`, one update per rollout
+    per_rollout = module.updater.updates_per_rollout
+    assert resolve_behaviour(module.behaviour, per_rollout, module.engine) == "on_policy"  # `auto`
     assert policy_logprob_calls == []  # no behaviour forward pass at all
     assert all(r.old_logp is None for r in cap.rollouts)
 
@@ -263,7 +270,7 @@ def test_single_update_gradient_equals_recorded_old_logprobs(tmp_path, monkeypat
         collectives = Collectives(trainer)
         rollout = sample(module, first_batch(trainer))
         rollout.advantages = torch.randn(len(rollout), generator=torch.Generator().manual_seed(1))
-        rollout, _ = behaviour_passes(module)(rollout, module.policy, module.reference_policy(), collectives)
+        rollout, _ = behaviour_passes(module)(rollout, collectives)
         torch.testing.assert_close(rollout.ref_logp, logprobs(module, rollout, module.reference_policy()),
                                    atol=0, rtol=0)
         assert rollout.old_logp is None and policy_calls == []  # on-policy: no behaviour forward
@@ -275,7 +282,7 @@ def test_single_update_gradient_equals_recorded_old_logprobs(tmp_path, monkeypat
         # with 2 updates per rollout the passes record exactly these log-probs, with one forward pass
         module.updater.num_minibatches = 2
         rollout.old_logp = None
-        rollout, _ = behaviour_passes(module)(rollout, module.policy, module.reference_policy(), collectives)
+        rollout, _ = behaviour_passes(module)(rollout, collectives)
         assert policy_calls == [len(rollout)]
         torch.testing.assert_close(rollout.old_logp, logprobs(module, rollout), atol=0, rtol=0)
         module.updater.num_minibatches = 1
@@ -388,7 +395,7 @@ def test_end_to_end(tmp_path, cls, kw, max_steps, rl_steps, extra, absent):
         # a gradient exactly when some advantage is non-zero (or a KL term pulls, after the first step)
         if (r.advantages != 0).any():
             assert logged["policy/grad_norm"][k] > 1e-4, k
-        elif module._reference is None:
+        elif module.reference_policy() is None:
             assert logged["policy/grad_norm"][k] == 0, k
     if cls is GRPO:  # one update per rollout: the ratio is exactly 1, nothing clips, KL(old || new) is 0
         assert logged["policy/ratio_mean"] == [1.0] * 3 and logged["policy/approx_kl"] == [0.0] * 3
@@ -398,11 +405,11 @@ def test_end_to_end(tmp_path, cls, kw, max_steps, rl_steps, extra, absent):
         # step 0: r = 1 and KL 0, so the loss is -mean_i A_i; z-scored advantages sum to 0 in every group
         assert logged["policy/loss"][0] == pytest.approx(0.0, abs=1e-6)
         # the reference is the starting policy, frozen, and not part of the checkpointed state
-        ref = dict(module._reference.named_parameters())
+        ref = dict(module.reference_policy().named_parameters())
         assert ref.keys() == before.keys() and all(torch.equal(ref[n], v) for n, v in before.items())
-        assert not any("_reference" in k for k in module.state_dict())
+        assert all(k.startswith("policy.") for k in module.state_dict())  # no reference, no frozen model
     else:
-        assert module._reference is None  # no KL term: no reference model
+        assert module.reference_policy() is None and "reference" not in module.frozen  # no KL term: none
     if cls is GSPO:  # the second minibatch of each rollout is off-policy: the step's mean KL is above 0
         assert all(v > 1e-6 for v in logged["policy/approx_kl"]), logged["policy/approx_kl"]
     if cls is DAPO:

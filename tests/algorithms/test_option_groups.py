@@ -89,3 +89,17 @@ def test_the_online_module_normalises_by_its_completion_budget():
 
     module = make(GRPO, objective={"aggregation": "seq-mean-token-sum-norm"})
     assert module.objective.aggregation_length == 8  # helpers.make: sampling.max_new_tokens 8
+
+
+def test_an_explicit_option_that_another_would_override_is_refused_naming_both_keys():
+    """The KL in the reward needs the trained policy's own log-probs (``recompute``): ``auto`` and
+    ``recompute`` follow it; an explicit other source was once replaced silently, now refused."""
+    from lightning_rl.algorithms.online import behaviour_source
+
+    assert behaviour_source("auto", kl_in_reward=True) == "recompute"
+    assert behaviour_source("recompute", kl_in_reward=True) == "recompute"
+    assert behaviour_source("on_policy", kl_in_reward=False) == "on_policy"
+    for explicit in ("on_policy", "from_engine"):
+        with pytest.raises(ValueError, match=rf"`model.objective.kl_in_reward: true`.*"
+                                             rf"`model.logprobs.behaviour: {explicit}`"):
+            behaviour_source(explicit, kl_in_reward=True)

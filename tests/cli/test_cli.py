@@ -15,7 +15,7 @@ from lightning_rl.cli.main import LightningRLCLI
 
 ALL_CONFIGS = sorted(CONFIGS.glob("*.yaml"))  # strategy overlays and examples: tests/test_overlays.py
 # overlays beside the algorithm configs (any online config takes them)
-TOP_OVERLAYS = {"async.yaml", "vllm.yaml", "vllm_server.yaml", "packed.yaml"}
+TOP_OVERLAYS = {"async.yaml", "vllm.yaml", "vllm_server.yaml", "packed.yaml", "curriculum.yaml"}
 
 
 def test_configs_exist():

@@ -8,7 +8,7 @@ import torch
 
 import lightning_rl.losses as L
 from lightning_rl.step.collectives import Collectives
-from lightning_rl.step.estimators import RLOO, Distillation
+from lightning_rl.step.estimators import Distillation, LeaveOneOut
 from lightning_rl.step.rollout import Rollout
 
 T = torch.tensor
@@ -76,7 +76,7 @@ def test_without_behaviour_logprobs_the_engines_are_the_students():
 def test_task_rewards_are_mixed_in_with_their_weight():
     """OPD + RL: the task estimator's per-sequence advantages, times ``reward_weight``, on each valid token.
     RLOO of rewards [1, 0] in one group of 2: [1 - 0, 0 - 1] = [1, -1]; weight .5 adds [.5, -.5]."""
-    estimator = Distillation(coef=1.0, discount=0.0, reward_weight=0.5, task=RLOO())
+    estimator = Distillation(coef=1.0, discount=0.0, reward_weight=0.5, task=LeaveOneOut())
     adv, _ = estimator.estimate(_rollout([1.0, 0.0], teacher_logp=TEACHER, old_logp=STUDENT),
                                 Collectives.local())
     torch.testing.assert_close(adv["advantages"], T([[1.0, 0.5, -0.5, 0.0], [-0.5, 0.0, 0.5, -0.5]]))
@@ -86,6 +86,8 @@ def test_task_rewards_are_mixed_in_with_their_weight():
 class NaNTeacher:
     """Scores every token 0.5 nats below the student, except one NaN (a teacher that overflowed)."""
 
+    shares_weights = False
+
     def token_logprobs(self, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature):
         logp = (STUDENT - 0.5) * completion_mask
         logp[0, 1] = float("nan")
@@ -93,10 +95,15 @@ class NaNTeacher:
 
 
 def test_a_non_finite_teacher_logprob_leaves_the_loss_and_is_counted():
-    from lightning_rl.step.logprobs import TeacherLogProbs
+    from lightning_rl.models.frozen import FrozenModels
+    from lightning_rl.step.logprobs import FrozenLogProbs
 
-    rollout, stats = TeacherLogProbs(NaNTeacher(), 1.0, None)(_rollout([0.0, 0.0], old_logp=STUDENT),
-                                                              Collectives.local())
+    frozen = FrozenModels()
+    frozen.add("teacher", NaNTeacher())
+    stage = FrozenLogProbs(frozen, "teacher", policy=None, temperature=1.0,
+                           micro_batch_size=None, time_key="perf/teacher_time",
+                           excluded_key="distill/teacher_excluded_tokens")
+    rollout, stats = stage(_rollout([0.0, 0.0], old_logp=STUDENT), Collectives.local())
     assert stats["distill/teacher_excluded_tokens"] == 1.0
     assert rollout.loss_mask.tolist() == [[1, 0, 1, 0], [1, 0, 1, 1]]  # token (0, 1) out of the loss
     assert rollout.attention_mask.tolist() == MASK.tolist()  # still in the context

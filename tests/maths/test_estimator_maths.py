@@ -376,3 +376,78 @@ def test_sequence_mask_with_bounds_keeps_only_sequences_whose_product_ratio_is_i
     close(swapped, [[0.6666667] * 3, [0.0] * 3])
     close(L.rollout_is_weights(old, rollout, mask, "sequence", "mask", high=1.7), [[1.5] * 3, [0.0] * 3])
 
+
+
+# ------------------------------------------------------------------------------------------------ GDPO
+from lightning_rl.maths.multi_reward import batch_normalized, gdpo_advantages, gdpo_group_sum  # noqa: E402
+
+
+def test_gdpo_keeps_apart_what_grpo_collapses():
+    # the GDPO paper's case, two 0/1 reward functions, weights 1, G = 2:
+    #   group 1: (f1, f2) = (0,0), (0,1) -> sums [0, 1];  group 2: (0,0), (1,1) -> sums [0, 2]
+    # GRPO (sum, then group z-score, eps 0): both groups [-.7071, .7071]: meeting both objectives teaches
+    # as much as meeting one
+    # GDPO: group 1: z1 = [0, 0] (constant), z2 = [-.7071, .7071] -> [-.7071, .7071]
+    #       group 2: z1 = z2 = [-.7071, .7071] -> [-1.4142, 1.4142]
+    # batch step: mean 0, Bessel std sqrt((2 * .5 + 2 * 2) / 3) = sqrt(5/3) = 1.29099
+    #   -> [-.5477, .5477, -1.0954, 1.0954]
+    scores = t([[0.0, 0.0], [0.0, 1.0], [0.0, 0.0], [1.0, 1.0]])
+    grpo = L.group_advantages(scores.sum(-1), 2, eps=0.0)
+    close(grpo, [-0.7071068, 0.7071068, -0.7071068, 0.7071068])
+    close(gdpo_group_sum(scores, 2, eps=0.0), [-0.7071068, 0.7071068, -1.4142136, 1.4142136])
+    close(gdpo_advantages(scores, 2, eps=0.0), [-0.5477226, 0.5477226, -1.0954451, 1.0954451])
+
+
+def test_gdpo_weighted_sum_constant_still_has_signal():
+    # (f1, f2) = (1, 0), (0, 2) with weights 1 and .5: GRPO's weighted sums tie at 1, advantages 0
+    # GDPO: z1 = [.707, -.707], z2 = [-.707, .707]; 1*z1 + .5*z2 = [.354, -.354]
+    scores = t([[1.0, 0.0], [0.0, 2.0]])
+    assert L.group_advantages(scores @ t([1.0, 0.5]), 2).abs().max() == 0
+    close(gdpo_group_sum(scores, 2, t([1.0, 0.5]), eps=0.0), [0.5 / math.sqrt(2), -0.5 / math.sqrt(2)])
+
+
+def trl_normalize_then_sum(rewards_per_func, num_generations, weights):
+    """An oracle written from TRL 1.16's GRPOTrainer (``multi_objective_aggregation="normalize_then_sum"``),
+    element by element in plain Python: per group and function ``(r - mean) / (std + 1e-4)`` with the
+    Bessel-corrected std, the weighted sum, then ``(x - mean) / (std + 1e-4)`` over the whole batch."""
+    n, k = len(rewards_per_func), len(weights)
+
+    def mean(xs):
+        return sum(xs) / len(xs)
+
+    def std(xs):
+        m = mean(xs)
+        return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+    summed = [0.0] * n
+    for start in range(0, n, num_generations):
+        rows = range(start, start + num_generations)
+        for j in range(k):
+            column = [rewards_per_func[i][j] for i in rows]
+            m, s = mean(column), std(column)
+            for i in rows:
+                summed[i] += weights[j] * (rewards_per_func[i][j] - m) / (s + 1e-4)
+    m, s = mean(summed), std(summed)
+    return [(x - m) / (s + 1e-4) for x in summed]
+
+
+def test_gdpo_matches_trl_oracle():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 3, (24, 3), generator=g).double()  # ties and constant groups happen
+    scores[:4, 1] = 1.0  # a function constant in the first group
+    weights = [1.0, 0.5, 2.0]
+    expected = trl_normalize_then_sum(scores.tolist(), 4, weights)
+    close(gdpo_advantages(scores, 4, t(weights)), expected, atol=1e-5)
+
+
+def test_gdpo_global_moments_and_validation():
+    scores = torch.randn(12, 2, dtype=F64)
+    x = gdpo_group_sum(scores, 3)
+    # two "ranks" of two groups each: the moments summed give the one-process batch step
+    ones = torch.ones(6, 1)
+    moments = L.masked_moments(x[:6, None], ones) + L.masked_moments(x[6:, None], ones)
+    close(batch_normalized(x[:6], moments=moments), gdpo_advantages(scores, 3)[:6], atol=1e-5)
+    with pytest.raises(ValueError, match="group_size"):
+        gdpo_group_sum(scores, 5)
+    with pytest.raises(ValueError):
+        gdpo_group_sum(scores[:, 0], 3)

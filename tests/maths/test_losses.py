@@ -649,10 +649,14 @@ def test_trust_region_registry_and_options():
     from typing import get_args
 
     assert set(get_args(L.TrustRegion)) == set(L.TRUST_REGIONS)
-    assert L.TRUST_REGION_INPUTS == ("logp", "log_ratio", "adv", "mask")
+    assert L.TRUST_REGION_INPUTS == ("logp", "old_logp", "log_ratio", "adv", "mask", "selected")
     assert L.trust_region_options("clip") == ("clip_low", "clip_high", "clip_ratio_c")
     assert L.trust_region_options("soft_gate") == ("tau_pos", "tau_neg")
     assert L.trust_region_options("cispo") == ("clip_high",)
+    assert L.trust_region_options("dppo") == ("dppo_divergence", "dppo_low", "dppo_high", "dppo_ratio_cap")
+    assert L.trust_region_options("clip_cov") == ("clip_low", "clip_high", "clip_cov_ratio", "clip_cov_lb",
+                                                  "clip_cov_ub")
+    assert L.trust_region_options("kl_cov") == ("kl_cov_ratio", "kl_cov_coef")
     with pytest.raises(ValueError, match="trust_region"):
         L.trust_region_options("trpo")
 
@@ -661,8 +665,12 @@ def test_every_trust_region_takes_the_common_inputs_as_keywords():
     torch.manual_seed(0)
     logp, log_ratio, adv = (torch.randn(2, 3, dtype=F64) * 0.3 for _ in range(3))
     mask = torch.ones(2, 3, dtype=torch.bool)
-    for name, fn in L.TRUST_REGIONS.items():
-        out = fn(logp=logp, log_ratio=log_ratio, adv=adv, mask=mask)
+    inputs = {"logp": logp, "old_logp": logp - log_ratio, "log_ratio": log_ratio, "adv": adv, "mask": mask,
+              "selected": None}
+    for name, fn in L.TRUST_REGIONS.items():  # each is called with the common inputs it names
+        named = set(inspect.signature(fn).parameters) & set(L.TRUST_REGION_INPUTS)
+        assert {"log_ratio", "adv"} <= named, name
+        out = fn(**{k: v for k, v in inputs.items() if k in named})
         assert isinstance(out, L.Surrogate) and out.loss.shape == (2, 3), name
     # the existing regions keep their positional (log_ratio, adv, options...) form for direct callers
     positional = L.clipped_surrogate(log_ratio, adv, 0.2, 0.28)

@@ -467,6 +467,26 @@ def test_the_objectives_aggregation_length_is_dr_grpos_constant():
     (dict(trust_region="clip", tau_neg=1.2), "tau_neg"),
     (dict(trust_region="cispo", clip_high=0.0), "clip_high"),
     (dict(aggregation="seq-mean-token-sum-norm", aggregation_length=0), "aggregation_length"),
+    # issue 40's options: ranges, and options of a trust region that is not chosen
+    (dict(trust_region="dppo", dppo_divergence="js"), "dppo_divergence"),
+    (dict(trust_region="dppo", dppo_low=0.0), "dppo_low"),
+    (dict(trust_region="dppo", dppo_high=-0.1), "dppo_high"),
+    (dict(trust_region="dppo", dppo_ratio_cap=0.0), "dppo_ratio_cap"),
+    (dict(trust_region="dppo", clip_high=0.28), "clip_high"),
+    (dict(dppo_low=0.1), "dppo_low"),
+    (dict(trust_region="clip_cov", clip_cov_ratio=0.0), "clip_cov_ratio"),
+    (dict(trust_region="clip_cov", clip_cov_ratio=1.5), "clip_cov_ratio"),
+    (dict(trust_region="clip_cov", clip_cov_lb=2.0, clip_cov_ub=1.0), "clip_cov_ub"),
+    (dict(trust_region="clip_cov", kl_cov_ratio=0.1), "kl_cov_ratio"),
+    (dict(trust_region="clip_cov", clip_ratio_c=3.0), "clip_ratio_c"),
+    (dict(clip_cov_lb=0.5), "clip_cov_lb"),
+    (dict(trust_region="kl_cov", kl_cov_ratio=0.0), "kl_cov_ratio"),
+    (dict(trust_region="kl_cov", kl_cov_coef=-1.0), "kl_cov_coef"),
+    (dict(trust_region="kl_cov", clip_low=0.1), "clip_low"),
+    (dict(trust_region="soft_gate", kl_cov_coef=2.0), "kl_cov_coef"),
+    (dict(top_entropy_quantile=-0.1), "top_entropy_quantile"),
+    (dict(top_entropy_quantile=1.2), "top_entropy_quantile"),
+    (dict(off_policy_mask_threshold=-0.5), "off_policy_mask_threshold"),
 ])
 def test_invalid_combinations_name_the_key(kwargs, key):
     with pytest.raises(ValueError, match=f"model.objective.{key}"):
