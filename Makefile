@@ -33,12 +33,18 @@ demo: setup
 
 # the whole suite, as two pytest sessions at once (the machine's two cores): the multi-process and vLLM tests
 # (their ranks and engines), and the rest; it fails if either does. --durations shows where the time goes.
+# BESIDE: files of single-process CLI runs that go with the multi-process session, so both end near together
+BESIDE := tests/cli/test_objective_overlays.py tests/cli/test_message_keys.py tests/data/test_curriculum.py \
+	tests/step/test_judge.py
 test: setup
 	@log=$$(mktemp); \
-	$(VENV)/bin/pytest -q -m "distributed or vllm" --durations=10 > $$log 2>&1 & multi=$$!; \
-	LRL_REQUIRE_VLLM=0 $(VENV)/bin/pytest -q -m "not distributed and not vllm" --durations=10; single=$$?; \
-	wait $$multi; ranks=$$?; echo "== the multi-process and vLLM tests =="; cat $$log; rm -f $$log; \
-	test $$single -eq 0 && test $$ranks -eq 0
+	( $(VENV)/bin/pytest -q -m "distributed or vllm" --durations=10; a=$$?; \
+	  LRL_REQUIRE_VLLM=0 $(VENV)/bin/pytest -q -m "not distributed and not vllm" --durations=5 $(BESIDE); \
+	  b=$$?; exit $$((a | b)) ) > $$log 2>&1 & multi=$$!; \
+	LRL_REQUIRE_VLLM=0 $(VENV)/bin/pytest -q -m "not distributed and not vllm" --durations=10 \
+	  $(addprefix --ignore=,$(BESIDE)); single=$$?; \
+	wait $$multi; ranks=$$?; echo "== the multi-process and vLLM tests, and $(BESIDE) =="; cat $$log; \
+	rm -f $$log; test $$single -eq 0 && test $$ranks -eq 0
 
 # the unmarked tier (pyproject.toml's markers): no multi-process, learning or slow test
 test-fast: setup

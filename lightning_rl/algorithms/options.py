@@ -11,12 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lightning_rl.episodes.environments import Environment
-from lightning_rl.maths.aggregation import Aggregation
 from lightning_rl.maths.checks import require as require_in
-from lightning_rl.maths.objective import DPPODivergence
-from lightning_rl.maths.penalties import KLEstimator
-from lightning_rl.maths.ratio_levels import RatioLevel
-from lightning_rl.maths.trust_regions import TrustRegion
+from lightning_rl.maths.objective import Objective
 from lightning_rl.step.correction import RolloutCorrection
 from lightning_rl.step.filters import RolloutFilter
 from lightning_rl.step.logprobs import BehaviourSource
@@ -237,86 +233,32 @@ class EpisodeOptions:
         return self.environment is not None or bool(self.tools)
 
 
-@dataclass(frozen=True)
-class ObjectiveOptions:
-    """The policy loss: the objective axes of :class:`lightning_rl.maths.objective.Objective`, the KL to the
-    reference (in the loss or in the reward) and the entropy bonus.
+@dataclass(frozen=True, kw_only=True)
+class ObjectiveOptions(Objective):
+    """The policy loss: a point on the objective's axes (:class:`lightning_rl.maths.objective.Objective`,
+    whose fields and checks it inherits: ratio level, trust region and its options, the token selections,
+    aggregation, the KL to the reference), where the KL goes (the loss or the reward) and the entropy bonus.
 
     Args:
-        ratio_level: ``token`` or ``sequence`` (GSPO's length-normalised ratio).
-        trust_region: ``clip`` (``clip_low``, ``clip_high``; dual-clip with ``clip_ratio_c``), ``soft_gate``
-            (SAPO's, ``tau_pos``, ``tau_neg``), ``cispo`` (clipped IS weight, ``clip_high``), ``dppo``
-            (divergence mask, ``dppo_*``), ``clip_cov`` (``clip_low``, ``clip_high``, ``clip_cov_*``) or
-            ``kl_cov`` (``kl_cov_*``): formulas and sources in ``lightning_rl.maths.trust_regions``.
-        clip_low: the ratio's clip range starts at ``1 - clip_low``.
-        clip_high: the ratio's clip range ends at ``1 + clip_high`` (clip-higher when above ``clip_low``).
-        clip_ratio_c: dual-clip bound for negative advantages (``None``: off).
-        tau_pos: the soft gate's temperature for positive advantages.
-        tau_neg: the soft gate's temperature for negative advantages.
-        aggregation: ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum`` or
-            ``seq-mean-token-sum-norm`` (Dr. GRPO: each sequence's token sum over ``aggregation_length``).
-        kl_coef: weight of the KL to the reference (0: no reference is built).
-        kl_estimator: ``k1``, ``k2`` or ``k3``.
-        kl_clamp: clamp the per-token KL term in the loss to ``[-kl_clamp, kl_clamp]`` (``None``: off).
         kl_in_reward: the KL as a per-token reward penalty (``lightning_rl.step.estimators.KLInReward``)
             instead of the loss term.
         kl_target: with ``kl_in_reward``, an adaptive coefficient aiming at this mean KL (``None``: fixed).
         kl_horizon: the adaptive coefficient's horizon in steps.
         entropy_coef: weight of an entropy bonus aggregated like the loss (0: off; always logged).
-        aggregation_length: the constant normalising length of ``seq-mean-token-sum-norm`` (only that
-            aggregation reads it); ``None``: ``sampling.max_new_tokens``, or the episode budget
-            (``episodes.max_episode_tokens``) in multi-turn episodes.
-        dppo_divergence: ``tv`` or ``kl`` (DPPO's binary divergence on the sampled token).
-        dppo_low, dppo_high: DPPO's divergence thresholds for negative / positive advantages (verl's recipe:
-            0.15 for ``tv``, 0.05 for ``kl``).
-        dppo_ratio_cap: DPPO's cap on the gradient's importance weight (verl's ``clip_ratio_c``; ``None``:
-            off).
-        clip_cov_ratio, clip_cov_lb, clip_cov_ub: Clip-Cov: the share of tokens whose gradient is stopped,
-            drawn among those with covariance in ``(clip_cov_lb, clip_cov_ub)``.
-        kl_cov_ratio, kl_cov_coef: KL-Cov: the share of largest-covariance tokens given
-            ``kl_cov_coef |log r|``.
-        top_entropy_quantile: only the highest-entropy share of the minibatch's tokens keeps its surrogate
-            (TRL's ``top_entropy_quantile``; 0.2 in "Beyond the 80/20 rule"; 1.0: off); any trust region.
-        off_policy_mask_threshold: OPSM (DeepSeek-V3.2): drop the surrogate of negative-advantage tokens in
-            rows whose mean divergence from the sampling policy exceeds it (``None``: off); any trust region.
 
-    Clip-Cov, KL-Cov and the entropy selection read the policy's log-probs and entropies of each minibatch
-    before its micro-batches (one forward without backward), so the selection is the whole minibatch's.
+    ``aggregation_length`` here: ``None`` is ``sampling.max_new_tokens``, or the episode budget
+    (``episodes.max_episode_tokens``) in multi-turn episodes; only ``seq-mean-token-sum-norm`` reads it.
     """
 
-    ratio_level: RatioLevel = "token"
-    trust_region: TrustRegion = "clip"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    clip_ratio_c: float | None = None
-    tau_pos: float = 1.0
-    tau_neg: float = 1.05
-    aggregation: Aggregation = "seq-mean-token-mean"
-    kl_coef: float = 0.0
-    kl_estimator: KLEstimator = "k3"
-    kl_clamp: float | None = None
     kl_in_reward: bool = False
     kl_target: float | None = None
     kl_horizon: int = 10000
     entropy_coef: float = 0.0
-    aggregation_length: int | None = None
-    dppo_divergence: DPPODivergence = "tv"
-    dppo_low: float = 0.2
-    dppo_high: float = 0.2
-    dppo_ratio_cap: float | None = None
-    clip_cov_ratio: float = 2e-4
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 2e-4
-    kl_cov_coef: float = 1.0
-    top_entropy_quantile: float = 1.0
-    off_policy_mask_threshold: float | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         length = self.aggregation_length
-        require("objective", kl_coef=(self.kl_coef >= 0, self.kl_coef, ">= 0"),
-                aggregation_length=(length is None or length >= 1, length, ">= 1 or null"),
-                entropy_coef=(self.entropy_coef >= 0, self.entropy_coef, ">= 0"),
+        require("objective", entropy_coef=(self.entropy_coef >= 0, self.entropy_coef, ">= 0"),
                 kl_horizon=(self.kl_horizon >= 1, self.kl_horizon, ">= 1"),
                 kl_target=(self.kl_target is None or self.kl_target > 0, self.kl_target, "> 0 or null"))
         if self.kl_target is not None and not (self.kl_in_reward and self.kl_coef > 0):
