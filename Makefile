@@ -35,7 +35,7 @@ demo: setup
 # (their ranks and engines), and the rest; it fails if either does. --durations shows where the time goes.
 # BESIDE: files of single-process CLI runs that go with the multi-process session, so both end near together
 BESIDE := tests/cli/test_objective_overlays.py tests/cli/test_message_keys.py tests/data/test_curriculum.py \
-	tests/step/test_judge.py
+	tests/step/test_judge.py tests/cli/test_cli_runs.py
 test: setup
 	@log=$$(mktemp); \
 	( $(VENV)/bin/pytest -q -m "distributed or vllm" --durations=10; a=$$?; \
