@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_rl.algorithms.ahead import start_worker
+from lightning_rl.algorithms.ahead import WorkerSpec, start_worker
 from lightning_rl.models.adapters import trainable_parameters
 from lightning_rl.models.sharding import (
     deepspeed_engine,
@@ -101,7 +101,15 @@ class ManualSteps:
     def on_train_start(self) -> None:
         super().on_train_start()  # after a resumed checkpoint's weights and RNG: the worker starts from them
         if self.rollouts.max_staleness:
-            start_worker(self)
+            start_worker(self.worker_spec(), self.rollouts, self.trainer)
+
+    def worker_spec(self) -> WorkerSpec:
+        """What the worker sampling ahead is handed (``policy_io`` attaches the engine and builds a
+        ``CopyEngine``'s copy before the fork)."""
+        return WorkerSpec(io=self.policy_io(), engine=self.engine, model=self.policy.model,
+                          frozen=self.frozen.all(), temperature=self.sampling.temperature,
+                          micro_batch_size=self.updater.micro_batch_size, kind=self.rollouts.worker,
+                          device=self.device)
 
     def teardown(self, stage: str) -> None:
         self.rollouts.close()  # a worker sampling ahead stops with the run, however it ends
