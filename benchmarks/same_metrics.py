@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -74,6 +75,7 @@ def main() -> None:
                   f"only after: {sorted(set(after) - set(before) - set(timing))}", flush=True)
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT, check=False)
+        shutil.rmtree(work, ignore_errors=True)  # both sides' runs
     sys.exit(1 if differ else 0)
 
 
