@@ -100,13 +100,7 @@ class OnlineRL(ManualSteps, PolicyModule):
         self.accuracy_fn, self.accuracy_name = stages.accuracy_fn, stages.accuracy_name
         self.updater = assembly.update_stage(update)
         self.policy.logprob_chunk, self.policy.packing = update.logprob_chunk, update.packing
-        if sampling.max_staleness:  # the worker's weights are k steps old: its log-probs are the behaviour's
-            self.engine.sample_ahead()
-        if self.reads_behaviour:
-            self.engine.keep_logprobs()  # else the learner's behaviour pass scores them
-        self.behaviour = behaviour_source(logprobs.behaviour, kl_in_reward=self.kl_reward is not None)
-        resolve_behaviour(self.behaviour, self.updater.updates_per_rollout, self.engine)  # fails early
-        self.correction = logprobs.correction if logprobs.correction is not None else RolloutCorrection()
+        self.set_behaviour(logprobs, ahead=sampling.max_staleness > 0)
         self.seed = sampling.seed
         self.sampler = Sampler(self.num_generations, self.sampling, self.reward_pipeline, self.episodes,
                                filters.mask_truncated)
@@ -117,6 +111,17 @@ class OnlineRL(ManualSteps, PolicyModule):
         if self.needs_reference:
             self.frozen.declare("reference", self.policy.reference)
         self._learner: Learner | None = None
+
+    def set_behaviour(self, logprobs: LogProbOptions, *, ahead: bool) -> None:
+        """Where the behaviour log-probs come from (checked against the engine now, so a wrong choice fails
+        before training) and the correction; the engine told what it must keep."""
+        if ahead:  # the worker's weights are k steps old: its log-probs are the behaviour's
+            self.engine.sample_ahead()
+        if self.reads_behaviour:
+            self.engine.keep_logprobs()  # else the learner's behaviour pass scores them
+        self.behaviour = behaviour_source(logprobs.behaviour, kl_in_reward=self.kl_reward is not None)
+        resolve_behaviour(self.behaviour, self.updater.updates_per_rollout, self.engine)
+        self.correction = logprobs.correction if logprobs.correction is not None else RolloutCorrection()
 
     @property
     def learner(self) -> Learner:

@@ -145,7 +145,7 @@ class FrozenLogProbs:
 
     def __call__(self, rollout: Rollout, collectives: Collectives) -> tuple[Rollout, dict[str, float]]:
         start = time.perf_counter()
-        scores = rollout.ref_logp if self.field == "ref_logp" else rollout.teacher_logp
+        scores = getattr(rollout, self.field)  # a record field, named by FROZEN_FIELDS
         scorer = self.models.get(self.name)
         if scores is None and scorer is not None:
             scores = score_rollout(scorer, rollout, temperature=self.temperature,
