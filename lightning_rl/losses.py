@@ -1,8 +1,9 @@
 """The published contract (DESIGN.md, "Contract: ``lightning_rl.losses``"): every loss, advantage, penalty and
 importance-weight function under its contract name, importable from here whatever module of the maths layer
 defines it (``lightning_rl.maths``: ``losses``, ``policy_presets``, ``advantages``, ``penalties``,
-``rollout_weights``, ``aggregation``, ``trust_regions``, ``ratio_levels``, ``preference_losses``). Code
-inside the package imports from the defining module; users and the contract tests from here.
+``rollout_weights``, ``aggregation``, ``trust_regions``, ``covariance_regions``, ``ratio_levels``,
+``preference_losses``). Code inside the package imports from the defining module; users and the contract
+tests from here.
 """
 
 from lightning_rl.maths.advantages import (
@@ -27,6 +28,7 @@ from lightning_rl.maths.aggregation import (
     masked_mean,
     normalizer_counts,
 )
+from lightning_rl.maths.covariance_regions import ClipCov, KLCov, clip_cov_surrogate, kl_cov_surrogate
 from lightning_rl.maths.losses import broadcast_advantages, entropy_from_logits, policy_loss, value_loss
 from lightning_rl.maths.penalties import (
     KL_ESTIMATORS,
@@ -57,30 +59,31 @@ from lightning_rl.maths.token_selection import (
     token_keys,
 )
 from lightning_rl.maths.trust_regions import (
+    CISPO,
+    DPPO,
     SAPO_LOG_RATIO_CLAMP,
-    TRUST_REGION_INPUTS,
-    TRUST_REGIONS,
+    Clip,
+    SoftGate,
     Surrogate,
+    SurrogateInputs,
     TrustRegion,
     cispo_surrogate,
-    clip_cov_surrogate,
     clipped_surrogate,
     dppo_surrogate,
-    kl_cov_surrogate,
     soft_gate_surrogate,
-    trust_region_options,
 )
 
 __all__ = [
     "AGGREGATIONS", "AGGREGATORS", "DPO_LOSS_TYPES", "DPOLossType", "KL_ESTIMATORS", "RATIO_LEVELS",
-    "TRUST_REGIONS", "Aggregation", "KLEstimator", "RatioLevel", "Surrogate", "TrustRegion", "aggregate",
+    "Clip", "SoftGate", "CISPO", "DPPO", "ClipCov", "KLCov", "SurrogateInputs",
+    "Aggregation", "KLEstimator", "RatioLevel", "Surrogate", "TrustRegion", "aggregate",
     "broadcast_advantages", "clipped_surrogate", "dapo_group_keep", "dapo_loss", "dpo_loss",
     "entropy_from_logits", "gae_advantages", "group_advantages", "grpo_loss", "gspo_loss", "kl_penalty",
     "masked_mean", "normalizer_counts", "overlong_penalty", "policy_loss", "ppo_policy_loss",
     "reward_model_loss", "sapo_loss", "sequence_log_ratio", "soft_gate_surrogate", "token_log_ratio",
     "value_loss", "adaptive_kl_coef", "explained_variance", "masked_moments", "moments_mean_var",
-    "token_rewards", "whiten", "SAPO_LOG_RATIO_CLAMP", "TRUST_REGION_INPUTS", "cispo_surrogate",
-    "trust_region_options", "reinforce_baseline_advantages", "reinforce_baseline_centered",
+    "token_rewards", "whiten", "SAPO_LOG_RATIO_CLAMP", "cispo_surrogate",
+    "reinforce_baseline_advantages", "reinforce_baseline_centered",
     "rloo_advantages", "rollout_is_weights", "rollout_mismatch_stats", "ROLLOUT_IS_LEVELS",
     "ROLLOUT_IS_MODES", "RolloutISLevel", "RolloutISMode", "distillation_advantages", "dppo_surrogate",
     "clip_cov_surrogate", "kl_cov_surrogate", "TokenSelection", "clip_cov_mask", "high_entropy_mask",

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from lightning_rl.algorithms import GRPO
 from lightning_rl.data import PromptDataModule
+from lightning_rl.maths.trust_regions import Clip
 from lightning_rl.models.sharding import full_state_dict, zero3_partitioned
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -59,7 +60,7 @@ def main() -> None:
         policy={"model": "builtin:tiny-sort", "max_prompt_length": 16},
         sampling={"max_new_tokens": 8, "num_generations": 4},
         update={"micro_batch_size": None if micro == "none" else int(micro), "max_grad_norm": 0.05},
-        objective={"clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.1},
+        objective={"trust_region": Clip(0.2, 0.28), "kl_coef": 0.1},
         optimizer=partial(torch.optim.SGD, lr=1.0))
     strategy = CPUDeepSpeedStrategy(stage=stage) if devices > 1 else "auto"
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy,

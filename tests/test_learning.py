@@ -46,8 +46,8 @@ def test_gspo_learns(tmp_path, warm_start):
     # 50 rollouts x 2 minibatches = 100 optimiser steps; validation after the 50th rollout (a trainer batch)
     logged = learn(tmp_path, "gspo.yaml", "--trainer.max_steps", "100", "--trainer.val_check_interval", "50",
                    "--model.init_args.update.num_minibatches", "2", "--model.init_args.update.epochs", "1",
-                   "--model.init_args.objective.clip_low", "3e-4",
-                   "--model.init_args.objective.clip_high", "4e-4")
+                   "--model.init_args.objective.trust_region.init_args.low", "3e-4",
+                   "--model.init_args.objective.trust_region.init_args.high", "4e-4")
     # measured: warm start 0.562 -> 0.707 (seed 0), 0.789 (seed 1)
     assert logged["val/accuracy"][-1] >= warm_start + 0.1, (warm_start, logged["val/accuracy"])
     # the second minibatch of each rollout is off-policy and the narrow sequence clip acts on it
@@ -70,8 +70,8 @@ def test_sapo_learns(tmp_path, warm_start):
     # two minibatches per rollout, so the soft gate weighs off-policy tokens (on-policy it is exactly 1)
     logged = learn(tmp_path, "sapo.yaml", "--trainer.max_steps", "100", "--trainer.val_check_interval", "50",
                    "--model.init_args.update.num_minibatches", "2", "--model.init_args.update.epochs", "1",
-                   "--model.init_args.objective.tau_pos", "1.0",
-                   "--model.init_args.objective.tau_neg", "1.05",
+                   "--model.init_args.objective.trust_region.init_args.tau_pos", "1.0",
+                   "--model.init_args.objective.trust_region.init_args.tau_neg", "1.05",
                    "--model.init_args.optimizer.init_args.lr", "1e-4",
                    "--model.init_args.lr_scheduler", "null")
     # measured: warm start 0.562 -> 0.762 (seed 0), 0.754 (seed 1)

@@ -6,15 +6,16 @@ from typing import Any
 
 from lightning_rl.algorithms.online import OnlineRL
 from lightning_rl.algorithms.options import FilterOptions, ObjectiveOptions, RewardOptions
+from lightning_rl.maths.trust_regions import Clip
 
 
 class DAPO(OnlineRL):
     """DAPO preset: all four parts on. Only the defaults of three groups differ from :class:`OnlineRL`.
 
     Args:
-        objective: clip-higher (``clip_high`` 0.28 above ``clip_low`` 0.2, so that unlikely tokens can gain
-            probability and entropy does not collapse), ``token-mean`` over the whole minibatch (long
-            answers weigh per token), no KL term, as in the paper.
+        objective: clip-higher (``trust_region: Clip`` with ``high`` 0.28 above ``low`` 0.2, so that
+            unlikely tokens can gain probability and entropy does not collapse), ``token-mean`` over the
+            whole minibatch (long answers weigh per token), no KL term, as in the paper.
         filters: dynamic sampling on: only groups with mixed correctness are trained on, refilled from new
             prompts (``lightning_rl.step.filters.DynamicSampling``, up to ``max_gen_batches`` rounds);
             ``mask_truncated`` (overlong filtering) stays off: the shaping below handles long answers.
@@ -27,7 +28,8 @@ class DAPO(OnlineRL):
 
     def __init__(
         self, *args: Any,
-        objective: ObjectiveOptions = ObjectiveOptions(clip_high=0.28, aggregation="token-mean"),
+        objective: ObjectiveOptions = ObjectiveOptions(trust_region=Clip(high=0.28),
+                                                       aggregation="token-mean"),
         filters: FilterOptions = FilterOptions(dynamic_sampling=True),
         rewards: RewardOptions = RewardOptions(overlong_buffer="auto"), **kwargs: Any,
     ) -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 from lightning_rl.algorithms.online import OnlineRL
 from lightning_rl.algorithms.options import ObjectiveOptions
+from lightning_rl.maths.trust_regions import Clip
 
 
 class GSPO(OnlineRL):
@@ -16,7 +17,7 @@ class GSPO(OnlineRL):
 
     def __init__(
         self, *args: Any,
-        objective: ObjectiveOptions = ObjectiveOptions(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4),
+        objective: ObjectiveOptions = ObjectiveOptions(ratio_level="sequence", trust_region=Clip(3e-4, 4e-4)),
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, objective=objective, **kwargs)

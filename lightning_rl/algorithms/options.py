@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from lightning_rl.episodes.environments import Environment
 from lightning_rl.maths.checks import require as require_in
+from lightning_rl.maths.covariance_regions import ClipCov, KLCov
 from lightning_rl.maths.objective import Objective
 from lightning_rl.step.correction import RolloutCorrection
 from lightning_rl.step.filters import RolloutFilter
@@ -19,6 +20,9 @@ from lightning_rl.step.logprobs import BehaviourSource
 from lightning_rl.step.reward_calls import RewardFunction
 
 OnError = Literal["raise", "zero"]
+# every shipped trust region imported, so that a YAML may name one by its class alone (`trust_region:
+# ClipCov`)
+TRUST_REGIONS_BY_NAME = (ClipCov, KLCov)
 
 
 def require(group: str, **checks: tuple[bool, Any, str]) -> None:

@@ -46,6 +46,23 @@ def with_changes(cls: type, changes: dict[str, Any]) -> dict[str, Any]:
 
 
 POLICY_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(PolicyOptions))
+# The trust regions when they were names, and the class each is now
+MOVED_TRUST_REGIONS: dict[str, str] = {
+    **{name: f"lightning_rl.maths.trust_regions.{cls}" for name, cls in
+       (("clip", "Clip"), ("soft_gate", "SoftGate"), ("cispo", "CISPO"), ("dppo", "DPPO"))},
+    "clip_cov": "lightning_rl.maths.covariance_regions.ClipCov",
+    "kl_cov": "lightning_rl.maths.covariance_regions.KLCov"}
+_REGION = "objective.trust_region.init_args"
+# Each trust-region option of the flat `objective` group, and its field in the trust regions that take it now
+TRUST_REGION_MOVED_KEYS: dict[str, str] = {
+    "clip_low": f"{_REGION}.low of Clip or ClipCov", "clip_high": f"{_REGION}.high of Clip, CISPO or ClipCov",
+    "clip_ratio_c": f"{_REGION}.dual_clip of Clip", "tau_pos": f"{_REGION}.tau_pos of SoftGate",
+    "tau_neg": f"{_REGION}.tau_neg of SoftGate", "dppo_divergence": f"{_REGION}.divergence of DPPO",
+    "dppo_low": f"{_REGION}.low of DPPO", "dppo_high": f"{_REGION}.high of DPPO",
+    "dppo_ratio_cap": f"{_REGION}.ratio_cap of DPPO", "clip_cov_ratio": f"{_REGION}.ratio of ClipCov",
+    "clip_cov_lb": f"{_REGION}.lb of ClipCov", "clip_cov_ub": f"{_REGION}.ub of ClipCov",
+    "kl_cov_ratio": f"{_REGION}.ratio of KLCov", "kl_cov_coef": f"{_REGION}.coef of KLCov",
+}
 # SFT / DPO (PolicyModule): each flat key before the option groups, and where it is now
 BASE_MOVED_KEYS: dict[str, str] = {
     **{key: f"policy.{key}" for key in POLICY_KEYS},
@@ -66,6 +83,7 @@ ONLINE_MOVED_KEYS: dict[str, str] = {
                                            "tool_format", "tool_timeout")},
     "on_env_error": "episodes.on_error",
     **{f.name: f"objective.{f.name}" for f in dataclasses.fields(ObjectiveOptions)},
+    **TRUST_REGION_MOVED_KEYS, **{f"objective.{k}": v for k, v in TRUST_REGION_MOVED_KEYS.items()},
     "dynamic_sampling": "filters.dynamic_sampling", "max_gen_batches": "filters.max_gen_batches",
     "mask_truncated": "filters.mask_truncated",
     "behaviour_logp": "logprobs.behaviour", "rollout_correction": "logprobs.correction",

@@ -6,6 +6,7 @@ from typing import Any
 
 from lightning_rl.algorithms.online import OnlineRL
 from lightning_rl.algorithms.options import ObjectiveOptions
+from lightning_rl.maths.trust_regions import SoftGate
 
 
 class SAPO(OnlineRL):
@@ -15,6 +16,6 @@ class SAPO(OnlineRL):
     Unlike verl, the aggregation setting is honoured.
     """
 
-    def __init__(self, *args: Any, objective: ObjectiveOptions = ObjectiveOptions(trust_region="soft_gate"),
+    def __init__(self, *args: Any, objective: ObjectiveOptions = ObjectiveOptions(trust_region=SoftGate()),
                  **kwargs: Any) -> None:
         super().__init__(*args, objective=objective, **kwargs)

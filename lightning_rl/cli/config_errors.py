@@ -101,11 +101,12 @@ def summarize(message: str, args: Sequence[str], known: Iterable[str] = ()) -> s
 
 
 def _moved_key(p: Problem, moved: tuple[str, str], args: Sequence[str]) -> str:
-    """A flat key from before the option groups (``moved``: its old and new key), and where it was given."""
-    old, new = moved
+    """A flat key from before the option groups (``moved``: its old and new key, the new one perhaps followed
+    by the classes that take it), and where it was given."""
+    old, (new, _, of) = moved[0], moved[1].partition(" ")
     where = locate(old, args)
-    return (f"`{old}`{f' ({where})' if where else ''} is now `{new}`: {p.cls} takes its options "
-            "in groups (see --print_config)")
+    return (f"`{old}`{f' ({where})' if where else ''} is now `{new}`{f' ({of})' if of else ''}: {p.cls} "
+            "takes its options in groups (see --print_config)")
 
 
 def _unrecognized(p: Problem, known: Sequence[str]) -> str:
@@ -156,10 +157,12 @@ def moved_key(key: str, cls_path: str | None) -> tuple[str, str] | None:
     before the option groups (``model.init_args.temperature`` -> ``model.init_args.sampling.temperature``)."""
     moved = getattr(import_path(cls_path), "moved_keys", None) if cls_path else None
     parts = key.split(".")
-    for i, part in enumerate(parts):
-        if moved and part in moved and i > 0 and parts[i - 1] == "init_args":
-            head = ".".join(parts[:i])
-            return f"{head}.{part}", f"{head}.{moved[part]}"
+    for i in range(1, len(parts)):
+        for j in range(len(parts), i, -1):  # the longest old key first (``objective.clip_high``)
+            old = ".".join(parts[i:j])
+            if moved and old in moved and parts[i - 1] == "init_args":
+                head = ".".join(parts[:i])
+                return f"{head}.{old}", f"{head}.{moved[old]}"
     return None
 
 
@@ -178,6 +181,12 @@ def _wrong_type(p: Problem, at: str) -> str:
 def _wrong_class(p: Problem, at: str) -> str:
     """A ``class_path`` that names no class, or one that is not a subclass of what the key takes: why, and
     the closest class (else the candidates, ours first)."""
+    from lightning_rl.algorithms.presets import MOVED_TRUST_REGIONS
+
+    if p.key.endswith("trust_region.class_path") and p.value in MOVED_TRUST_REGIONS:
+        return (f"`{p.key}` = {_quote(p.value)}{at}: a trust region is a class holding its own options now: "
+                f"`class_path: {MOVED_TRUST_REGIONS[p.value]}` (its options "
+                "under `init_args`)")
     hint, candidates = suggest_class(p.value, p.base)
     base = (p.base or "").rsplit(".", 1)[-1]
     if "subclass" in p.detail or "does not correspond" in p.detail:

@@ -5,24 +5,24 @@ completion tokens under the current / behaviour / reference policy; ``mask`` is 
 ``advantages`` is ``[B]`` (broadcast over the row) or ``[B, T]``. Every ``*_loss`` returns
 ``(loss, metrics)``: a differentiable scalar to minimise and a dict of detached scalar tensors.
 
-One implementation of every policy objective: :func:`policy_loss`, a point on four axes, each a
-registry: the ratio level (:data:`RATIO_LEVELS`, in :mod:`lightning_rl.maths.ratio_levels`), the trust region
-(:data:`TRUST_REGIONS`, in :mod:`lightning_rl.maths.trust_regions`), the aggregation (:data:`AGGREGATORS`) and
-a KL-to-reference term (:func:`~lightning_rl.maths.penalties.kl_penalty`). The contract losses
+One implementation of every policy objective: :func:`policy_loss`, a point on four axes: the ratio level
+(:data:`RATIO_LEVELS`, in :mod:`lightning_rl.maths.ratio_levels`), the trust region (a
+:class:`~lightning_rl.maths.trust_regions.TrustRegion` of its options), the aggregation (:data:`AGGREGATORS`)
+and a KL-to-reference term (:func:`~lightning_rl.maths.penalties.kl_penalty`). The contract losses
 (``ppo_policy_loss``, ``grpo_loss``, ``gspo_loss``, ``dapo_loss``, ``sapo_loss``) are thin presets of it, in
 :mod:`lightning_rl.maths.policy_presets`, and training reaches it through
 :class:`lightning_rl.maths.objective.Objective`.
 
-To add a trust region: write a function in :mod:`lightning_rl.maths.trust_regions` that takes the common
-inputs it reads as keywords (of ``logp``, ``old_logp``, ``log_ratio``, ``adv``, ``mask``, ``selected``; all
-``[B, T]``, ``logp`` differentiable and 0 on invalid tokens, ``mask`` bool), plus its options, and returns a
-:class:`Surrogate`; register it in ``TRUST_REGIONS`` and name it in :data:`TrustRegion`. Its parameters
-other than the common inputs are its options (:func:`trust_region_options`): add them as fields of
-``Objective`` / keys of ``OnlineRL`` (the config), which refuses a non-default option the chosen region does
-not take. An aggregation: a function in ``AGGREGATORS`` and its name in :data:`Aggregation`.
+To add a trust region: its function and options dataclass in :mod:`lightning_rl.maths.trust_regions` (that
+module's docstring). An aggregation: a function in ``AGGREGATORS`` and its name in :data:`Aggregation`.
 
 Metrics are means over what one ratio stands for (tokens, or GSPO's sequences); ``policy/approx_kl`` is
-k3 of the ratio, ``mean((r - 1) - log r)``: KL(pi_old || pi_theta), >= 0, lower variance than k1.
+k3 of the ratio, ``mean((r - 1) - log r)``: KL(pi_old || pi_theta), >= 0, lower variance than k1. Beside it
+:func:`policy_loss` returns ``policy/ratio_mean``, the trust region's stats (``clip_frac*``,
+``gate_weight_mean``, ``cov_frac``...); when ``ref_logp`` is given ``policy/kl_ref`` (the unclamped mean),
+``policy/kl_ref_max`` (the largest per-token KL, 0 without valid tokens) and, with ``kl_clamp``,
+``policy/kl_clamp_frac`` (the share of tokens the clamp bit); ``policy/surrogate_token_frac`` (the share the
+high-entropy selection keeps) and ``policy/opsm_masked_frac`` (the share OPSM drops) when on.
 ``num_tokens`` / ``num_seqs`` are the whole minibatch's normalisers (micro-batching, see
 :mod:`lightning_rl.maths.aggregation`). Padded log-ratios and log-probs are zeroed before any trust region
 sees them, so garbage (even inf/NaN) there cannot reach the loss or its gradient. The advantages, KL
@@ -32,26 +32,19 @@ estimators, ratio levels, trust regions and DPO losses live in their own modules
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 
 from lightning_rl.maths.aggregation import AGGREGATIONS, Count, aggregate, masked_mean
 from lightning_rl.maths.checks import check_choice, check_range, check_shapes
 from lightning_rl.maths.penalties import KL_ESTIMATORS, kl_penalty
 from lightning_rl.maths.ratio_levels import RATIO_LEVELS
-from lightning_rl.maths.token_selection import off_policy_sequence_mask
-from lightning_rl.maths.trust_regions import (
-    TRUST_REGIONS,
-    Surrogate,
-    trust_region_options,
-)
+from lightning_rl.maths.token_selection import TokenSelection, off_policy_sequence_mask
+from lightning_rl.maths.trust_regions import Clip, Surrogate, SurrogateInputs, TrustRegion
 
 __all__ = ["broadcast_advantages", "entropy_from_logits", "policy_loss", "value_loss"]
 
 Tensor = torch.Tensor
+NO_SELECTION = TokenSelection()  # every token keeps its surrogate; the trust region selects on its batch
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -77,83 +70,51 @@ def broadcast_advantages(advantages: Tensor, logp: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------- policy loss
-def _trust_region(
-    name: str, args: Mapping[str, Any] | None, inputs: Mapping[str, Tensor | None]
-) -> Surrogate:
-    """Call trust region ``name`` by the protocol of :mod:`lightning_rl.maths.trust_regions`: the common
-    ``inputs`` it names, as keywords, then its options, refusing options it does not take."""
-    args = dict(args or {})
-    unknown = sorted(set(args) - set(trust_region_options(name)))
-    if unknown:
-        raise ValueError(f"`trust_region_args` {unknown} are not options of trust region {name!r}; "
-                         f"expected some of {trust_region_options(name)}")
-    params = inspect.signature(TRUST_REGIONS[name]).parameters
-    return TRUST_REGIONS[name](**{k: v for k, v in inputs.items() if k in params}, **args)
-
-
 def policy_loss(
     logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, advantages: Tensor, mask: Tensor, *,
-    ratio_level: str = "token", trust_region: str = "clip",
-    trust_region_args: Mapping[str, Any] | None = None, aggregation: str = "seq-mean-token-mean",
+    ratio_level: str = "token", trust_region: TrustRegion | None = None,
+    aggregation: str = "seq-mean-token-mean",
     kl_coef: float = 0.0, kl_estimator: str = "k3", num_tokens: Count = None, num_seqs: Count = None,
     token_weights: Tensor | None = None, kl_clamp: float | None = None, aggregation_length: int | None = None,
-    selected: Tensor | None = None, surrogate_mask: Tensor | None = None, sampler_logp: Tensor | None = None,
-    off_policy_mask_threshold: float | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Every policy objective: ``aggregate(surrogate(logp, log r, A, mask) + kl_coef * KL(pi || pi_ref))``.
+    selection: TokenSelection = NO_SELECTION, sampler_logp: Tensor | None = None,
+    off_policy_mask_threshold: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """Every policy objective: ``aggregate(surrogate(logp, log r, A, mask) + kl_coef * KL(pi || pi_ref))``;
+    returns ``(loss, metrics)``, the metrics as the module docstring lists them.
 
     Args:
         logp, old_logp, mask: ``[B, T]``. advantages: ``[B]`` or ``[B, T]``.
         ref_logp: ``[B, T]`` reference log-probs, or None (then ``kl_coef`` must be 0). Given with
             ``kl_coef == 0``, the KL is only logged.
-        ratio_level: a key of :data:`RATIO_LEVELS` (``token``, or ``sequence``: GSPO's length-normalised
-            ratio, which takes each row's mean advantage).
-        trust_region: a key of :data:`TRUST_REGIONS`; ``trust_region_args`` its options (a subset of
-            :func:`trust_region_options`).
-        aggregation: one of :data:`AGGREGATIONS`. kl_coef: >= 0. kl_estimator: one of ``KL_ESTIMATORS``.
+        trust_region: a :class:`~lightning_rl.maths.trust_regions.TrustRegion` (``None``: ``Clip()``).
+        ratio_level, aggregation, kl_coef, kl_estimator, kl_clamp, aggregation_length,
+            off_policy_mask_threshold: the axes, as :class:`lightning_rl.maths.objective.Objective` documents
+            them (``aggregation_length`` is :func:`aggregate`'s ``norm_length``).
         num_tokens, num_seqs: whole-minibatch normalisers (see :func:`aggregate`).
-        token_weights: ``[B, T]`` detached per-token weights of the surrogate (off-policy correction,
-            :func:`rollout_is_weights`), or None; the KL term is not weighted.
-        kl_clamp: the per-token KL term in the loss is clamped to ``[-kl_clamp, kl_clamp]`` (verl clamps its
-            low-variance KL at 10): a token past it adds no KL gradient. ``None``: no clamp.
-        aggregation_length: the constant ``L`` of ``seq-mean-token-sum-norm`` (``norm_length`` of
-            :func:`aggregate`; ``None``: ``T``); the other aggregations ignore it.
-        selected: ``[B, T]`` the trust region's batch-statistic selection (Clip-Cov, KL-Cov), made over the
-            whole minibatch (:mod:`lightning_rl.maths.token_selection`); ``None``: made on this batch.
-        surrogate_mask: ``[B, T]`` bool, the tokens whose surrogate counts (high-entropy selection); the
-            others keep their KL term and stay in the normalisers (TRL multiplies its per-token loss by the
-            entropy mask before the KL and the aggregation). ``None``: all.
-        sampler_logp: ``[B, T]`` log-probs of the policy that sampled the tokens, for OPSM (``None``:
-            ``old_logp``). off_policy_mask_threshold: OPSM's ``delta`` (``None``: off): the surrogate of a
-            token with a negative advantage in a row whose mean ``sampler_logp - logp`` exceeds it is dropped.
-
-    Returns:
-        ``(loss, metrics)``: ``policy/{approx_kl, ratio_mean}``, the trust region's stats (``clip_frac*`` or
-        ``gate_weight_mean``); when ``ref_logp`` is given ``policy/kl_ref`` (the unclamped mean),
-        ``policy/kl_ref_max`` (the largest per-token KL, 0 without valid tokens) and, with
-        ``kl_clamp``, ``policy/kl_clamp_frac`` (the share of tokens the clamp bit);
-        ``policy/surrogate_token_frac`` (the share ``surrogate_mask`` keeps) and ``policy/opsm_masked_frac``
-        (the share OPSM drops) when on.
+        token_weights: ``[B, T]`` detached per-token weights of the surrogate (off-policy correction), or
+            None; the KL term is not weighted.
+        selection: the minibatch's token selections (:class:`TokenSelection`; default: none): ``selected``
+            goes to the trust region; only ``high_entropy`` tokens keep their surrogate, the others keep their
+            KL term and stay in the normalisers (as TRL masks its per-token loss before the KL and the mean).
+        sampler_logp: ``[B, T]`` the sampling policy's log-probs, for OPSM (``None``: ``old_logp``).
     """
     _check_policy_args(logp, old_logp, ref_logp, mask, ratio_level, trust_region, aggregation, kl_coef,
                        kl_estimator)
     mask = mask.bool()
-    per_token, metrics = _surrogate_loss(logp, old_logp, advantages, mask, ratio_level, trust_region,
-                                         trust_region_args, token_weights, selected)
-    keep = _surrogate_keep(logp, old_logp, advantages, mask, ratio_level, surrogate_mask, sampler_logp,
-                           off_policy_mask_threshold, metrics)
+    per_token, metrics = _surrogate_loss(logp, old_logp, advantages, mask, ratio_level,
+                                         trust_region or Clip(), token_weights, selection.selected)
+    keep = _surrogate_keep(logp, old_logp, advantages, mask, ratio_level, selection.high_entropy,
+                           sampler_logp, off_policy_mask_threshold, metrics)
     per_token = per_token if keep is None else torch.where(keep, per_token, 0.0)
     if ref_logp is not None:
-        term, kl_metrics = _reference_kl(logp, ref_logp, mask, kl_estimator, kl_clamp)
-        per_token = per_token + kl_coef * term if kl_coef != 0 else per_token
-        metrics.update(kl_metrics)
+        per_token = _add_reference_kl(per_token, logp, ref_logp, mask, kl_coef, kl_estimator, kl_clamp,
+                                      metrics)
     return aggregate(per_token, mask, aggregation, num_tokens=num_tokens, num_seqs=num_seqs,
                      norm_length=aggregation_length), metrics
 
 
 def _surrogate_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, ratio_level: str, trust_region: str,
-    trust_region_args: Mapping[str, Any] | None, token_weights: Tensor | None, selected: Tensor | None = None,
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, ratio_level: str,
+    trust_region: TrustRegion, token_weights: Tensor | None, selected: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`policy_loss`'s surrogate before the KL term and the aggregation: the ratio at ``ratio_level``,
     the trust region's per-token loss (``[B, T]``, times the detached ``token_weights`` if given) and its
@@ -161,10 +122,10 @@ def _surrogate_loss(
     level = RATIO_LEVELS[ratio_level]
     adv = level.advantages(broadcast_advantages(advantages, logp), mask)
     log_ratio = level.log_ratio(logp, old_logp, mask)
-    inputs = {"logp": torch.where(mask, logp, 0.0),  # a region that reads logp never sees padding garbage
-              "old_logp": torch.where(mask, old_logp, 0.0).detach(), "log_ratio": log_ratio, "adv": adv,
-              "mask": mask, "selected": selected}
-    surrogate = _trust_region(trust_region, trust_region_args, inputs)
+    surrogate = trust_region.surrogate(SurrogateInputs(
+        logp=torch.where(mask, logp, 0.0),  # a region that reads logp never sees padding garbage
+        old_logp=torch.where(mask, old_logp, 0.0).detach(), log_ratio=log_ratio, adv=adv, mask=mask,
+        selected=selected))
     per_token = surrogate.loss if token_weights is None else surrogate.loss * token_weights.detach()
     return per_token, _surrogate_metrics(surrogate, log_ratio, mask, level.metric_mode, logp.dtype)
 
@@ -191,12 +152,14 @@ def _surrogate_keep(
 
 def _check_policy_args(
     logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, mask: Tensor, ratio_level: str,
-    trust_region: str, aggregation: str, kl_coef: float, kl_estimator: str,
+    trust_region: TrustRegion | None, aggregation: str, kl_coef: float, kl_estimator: str,
 ) -> None:
     """:func:`policy_loss`'s shapes, choices and KL settings, each error naming its argument."""
     check_shapes("logp", logp, ndim=2, old_logp=old_logp, mask=mask, ref_logp=ref_logp)
     check_choice("ratio_level", ratio_level, tuple(RATIO_LEVELS))
-    check_choice("trust_region", trust_region, tuple(TRUST_REGIONS))
+    if trust_region is not None and not isinstance(trust_region, TrustRegion):
+        raise TypeError(f"`trust_region` must be a TrustRegion (lightning_rl.maths.trust_regions: Clip, "
+                        f"SoftGate, CISPO, DPPO, ClipCov, KLCov), got {trust_region!r}")
     check_choice("aggregation", aggregation, AGGREGATIONS)
     check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
     if kl_coef < 0:
@@ -222,6 +185,15 @@ def _surrogate_metrics(
     # k3 of the ratio, (r - 1) - log r: kl_penalty's k3 with d = log r
     metrics["policy/approx_kl"] = mean(kl_penalty(torch.zeros_like(log_ratio), log_ratio, "k3"))
     return metrics
+
+
+def _add_reference_kl(per_token: Tensor, logp: Tensor, ref_logp: Tensor, mask: Tensor, kl_coef: float,
+                      kl_estimator: str, kl_clamp: float | None, metrics: dict[str, Tensor]) -> Tensor:
+    """``per_token`` plus ``kl_coef`` times the KL term (:func:`_reference_kl`), whose metrics go into
+    ``metrics`` whatever ``kl_coef`` (0: logged only)."""
+    term, kl_metrics = _reference_kl(logp, ref_logp, mask, kl_estimator, kl_clamp)
+    metrics.update(kl_metrics)
+    return per_token + kl_coef * term if kl_coef != 0 else per_token
 
 
 def _reference_kl(

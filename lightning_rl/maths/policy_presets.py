@@ -8,26 +8,32 @@ Shapes and metrics as in :mod:`lightning_rl.maths.losses`. Part of the contract 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from lightning_rl.maths.aggregation import Aggregation, Count
 from lightning_rl.maths.checks import check_range
 from lightning_rl.maths.losses import policy_loss
 from lightning_rl.maths.penalties import KLEstimator
+from lightning_rl.maths.trust_regions import Clip, SoftGate
 
 __all__ = ["dapo_loss", "grpo_loss", "gspo_loss", "ppo_policy_loss", "sapo_loss"]
 
 Tensor = torch.Tensor
 
 
-def _ppo_clip(clip_eps: float, clip_eps_high: float | None, clip_ratio_c: float | None) -> dict[str, Any]:
-    """The clip trust region's options from PPO's argument names, validated under those names."""
-    check_range("clip_eps", clip_eps, high=1.0)
+def _clip(low: tuple[str, float], high: tuple[str, float], dual_clip: float | None = None) -> Clip:
+    """The clip trust region from a preset's ``(argument name, value)`` pairs, validated under those names."""
+    check_range(low[0], low[1], high=1.0)
+    check_range(high[0], high[1])
+    if dual_clip is not None:
+        check_range("clip_ratio_c", dual_clip, low=1.0)
+    return Clip(low=low[1], high=high[1], dual_clip=dual_clip)
+
+
+def _ppo_clip(clip_eps: float, clip_eps_high: float | None, clip_ratio_c: float | None) -> Clip:
+    """The clip trust region from PPO's argument names (``clip_eps_high`` None: ``clip_eps``)."""
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    check_range("clip_eps_high", eps_high)
-    return {"clip_low": clip_eps, "clip_high": eps_high, "clip_ratio_c": clip_ratio_c}
+    return _clip(("clip_eps", clip_eps), ("clip_eps_high", eps_high), clip_ratio_c)
 
 
 def ppo_policy_loss(
@@ -51,7 +57,7 @@ def ppo_policy_loss(
         and ``policy/clip_frac_dual`` when dual clip is on.
     """
     clip = _ppo_clip(clip_eps, clip_eps_high, clip_ratio_c)
-    return policy_loss(logp, old_logp, None, advantages, mask, trust_region="clip", trust_region_args=clip,
+    return policy_loss(logp, old_logp, None, advantages, mask, trust_region=clip,
                        aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs,
                        aggregation_length=aggregation_length)
 
@@ -65,8 +71,8 @@ def dapo_loss(
 
     Same shapes, options and metrics as :func:`ppo_policy_loss`.
     """
-    clip = {"clip_low": clip_low, "clip_high": clip_high, "clip_ratio_c": clip_ratio_c}
-    return policy_loss(logp, old_logp, None, advantages, mask, trust_region="clip", trust_region_args=clip,
+    clip = _clip(("clip_low", clip_low), ("clip_high", clip_high), clip_ratio_c)
+    return policy_loss(logp, old_logp, None, advantages, mask, trust_region=clip,
                        aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs,
                        aggregation_length=aggregation_length)
 
@@ -93,8 +99,8 @@ def grpo_loss(
     if ref_logp is None and beta != 0:
         raise ValueError(f"`ref_logp` is None but beta={beta}; pass ref_logp or set beta=0")
     clip = _ppo_clip(clip_eps, clip_eps_high, clip_ratio_c)
-    return policy_loss(logp, old_logp, ref_logp, advantages, mask, trust_region="clip",
-                       trust_region_args=clip, aggregation=aggregation, kl_coef=beta,
+    return policy_loss(logp, old_logp, ref_logp, advantages, mask, trust_region=clip,
+                       aggregation=aggregation, kl_coef=beta,
                        kl_estimator=kl_estimator, num_tokens=num_tokens, num_seqs=num_seqs,
                        aggregation_length=aggregation_length)
 
@@ -118,9 +124,9 @@ def gspo_loss(
         means over sequences, i.e. over what the sequence ratio clips (``ratio_mean`` = mean of ``s_i``,
         ``approx_kl`` = mean of ``(s_i - 1) - log s_i``).
     """
-    clip = {"clip_low": clip_low, "clip_high": clip_high}
-    return policy_loss(logp, old_logp, None, advantages, mask, ratio_level="sequence", trust_region="clip",
-                       trust_region_args=clip, aggregation="seq-mean-token-mean", num_seqs=num_seqs)
+    clip = _clip(("clip_low", clip_low), ("clip_high", clip_high))
+    return policy_loss(logp, old_logp, None, advantages, mask, ratio_level="sequence", trust_region=clip,
+                       aggregation="seq-mean-token-mean", num_seqs=num_seqs)
 
 
 def sapo_loss(
@@ -134,7 +140,9 @@ def sapo_loss(
     Returns:
         ``(loss, metrics)`` with ``policy/{gate_weight_mean, approx_kl, ratio_mean}``.
     """
-    gate = {"tau_pos": tau_pos, "tau_neg": tau_neg}
-    return policy_loss(logp, old_logp, None, advantages, mask, trust_region="soft_gate",
-                       trust_region_args=gate, aggregation=aggregation, num_tokens=num_tokens,
+    check_range("tau_pos", tau_pos)
+    check_range("tau_neg", tau_neg)
+    gate = SoftGate(tau_pos, tau_neg)
+    return policy_loss(logp, old_logp, None, advantages, mask, trust_region=gate,
+                       aggregation=aggregation, num_tokens=num_tokens,
                        num_seqs=num_seqs, aggregation_length=aggregation_length)

@@ -44,7 +44,7 @@ class TokenSelection(NamedTuple):
 
     Attributes:
         high_entropy: the tokens whose surrogate counts (``top_entropy_quantile``).
-        selected: the trust region's covariance selection (``clip_cov``: gradient stopped; ``kl_cov``:
+        selected: the trust region's covariance selection (``ClipCov``: gradient stopped; ``KLCov``:
             KL-penalised).
     """
 

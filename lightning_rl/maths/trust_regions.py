@@ -1,15 +1,21 @@
 """Trust regions: how a policy objective turns ratios and advantages into a per-token loss (pure PyTorch).
 
 Part of the contract :mod:`lightning_rl.losses`, whose :func:`~lightning_rl.maths.losses.policy_loss` calls
-them.
+them. Each trust region is two things here: a pure function of tensors and options (``clipped_surrogate``,
+``soft_gate_surrogate``, ...: the maths, tested against hand-worked numbers), and a small frozen dataclass
+of its options, a subclass of :class:`TrustRegion`: the config (:class:`Clip`, :class:`SoftGate`,
+:class:`CISPO`, :class:`DPPO` here; ``ClipCov`` and ``KLCov``, whose selection is a minibatch statistic, in
+:mod:`lightning_rl.maths.covariance_regions`). The dataclass is what a YAML names::
 
-Protocol. A trust region is a function registered in :data:`TRUST_REGIONS` and called with keywords only,
-with those of the common inputs (:data:`TRUST_REGION_INPUTS`) that it names, and its options::
+    objective:
+      trust_region:
+        class_path: lightning_rl.maths.trust_regions.Clip   # or just Clip
+        init_args: {low: 0.2, high: 0.28}
 
-    TRUST_REGIONS[name](log_ratio=log_ratio, adv=adv, [logp=..., old_logp=..., mask=..., selected=...],
-                        **options) -> Surrogate
+so each option is declared once, with its default and its check, and another region's option cannot be
+written (jsonargparse refuses a key the chosen class does not take).
 
-The common inputs are all ``[B, T]``:
+A region's :meth:`TrustRegion.surrogate` gets the common inputs (:class:`SurrogateInputs`), all ``[B, T]``:
 
 * ``logp``: current per-token log-probs, differentiable, 0 on invalid tokens (zeroed by the caller).
 * ``old_logp``: behaviour log-probs, detached, 0 on invalid tokens (DPPO's divergence is per token whatever
@@ -19,34 +25,29 @@ The common inputs are all ``[B, T]``:
 * ``adv``: advantages (each row's mean under ``ratio_level: sequence``).
 * ``mask``: bool, the tokens that count.
 * ``selected``: bool or ``None``, a batch-statistic selection (Clip-Cov, KL-Cov) made over the whole minibatch
-  and every rank before the micro-batches (:mod:`lightning_rl.maths.token_selection`); ``None``: the region
-  makes it on the batch it is given, which is right only when that batch is the whole batch.
+  and every rank before the micro-batches by the region's :meth:`TrustRegion.select`
+  (:mod:`lightning_rl.maths.token_selection`); ``None``: the region makes it on the batch it is given, which
+  is right only when that batch is the whole batch.
 
-Every other parameter is an option (:func:`trust_region_options`); the config
-(:class:`lightning_rl.maths.objective.Objective`) fills each from its field of the same name and refuses a
-non-default value of an option the chosen region does not take. PPO clip and the SAPO gate keep their
-positional ``(log_ratio, adv, options...)`` form for direct callers.
-
-To add a trust region: write its function here, register it in ``TRUST_REGIONS`` and name it in
-:data:`TrustRegion`; add its options as fields of ``Objective`` and keys of ``OnlineRL`` (the config).
+To add a trust region: write its function and its dataclass here (a subclass of :class:`TrustRegion` whose
+fields are its options, checked in ``__post_init__``, and whose ``surrogate`` calls the function), a test
+with hand-worked numbers, and a YAML overlay in ``configs/objectives/``. Nothing else names it.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
-from typing import Literal, NamedTuple
+from dataclasses import dataclass
+from typing import ClassVar, Literal, NamedTuple
 
 import torch
 
-from lightning_rl.maths.checks import check_choice, check_range
-from lightning_rl.maths.token_selection import clip_cov_mask, kl_cov_mask, token_covariance
+from lightning_rl.maths.checks import check_choice, check_range, require
+from lightning_rl.maths.token_selection import Reduce, one_process
 
 Tensor = torch.Tensor
-TrustRegion = Literal["clip", "soft_gate", "cispo", "dppo", "clip_cov", "kl_cov"]
-TRUST_REGION_INPUTS: tuple[str, ...] = ("logp", "old_logp", "log_ratio", "adv", "mask", "selected")
 SAPO_LOG_RATIO_CLAMP = 20.0
 DPPO_LOG_RATIO_CLAMP = 20.0  # verl and SkyRL clamp the log-ratio there before exp
+KEY = "model.objective.trust_region"  # the YAML group of the options; errors name ``KEY.<field>``
 
 
 class Surrogate(NamedTuple):
@@ -146,16 +147,8 @@ def dppo_surrogate(
 ) -> Surrogate:
     """DPPO (arXiv 2602.04879): the plain surrogate ``-A r``, dropped (no gradient) on the tokens whose
     divergence between the current and the behaviour distribution leaves the trust region, instead of
-    clipping the ratio.
-
-    The divergence is DPPO's binary approximation on the sampled token, ``p = exp(logp)``,
-    ``p_old = exp(old_logp)``:
-
-    * ``tv``: ``p - p_old``; a token with ``A > 0`` is dropped where ``p - p_old > dppo_high``, any other
-      where ``p - p_old < -dppo_low`` (verl ``dppo_tv``, SkyRL ``binary_tv``, prime-rl's default loss).
-    * ``kl``: ``KL_bin = p_old log(p_old / p) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8))``;
-      dropped where ``A > 0``, ``p > p_old`` and ``KL_bin > dppo_high``, or ``A <= 0``, ``p < p_old`` and
-      ``KL_bin > dppo_low`` (verl ``dppo_kl``, SkyRL ``binary_kl``).
+    clipping the ratio; the divergence is DPPO's binary approximation on the sampled token
+    (``dppo_divergence``: ``tv`` or ``kl``, :func:`dppo_dropped`).
 
     ``dppo_ratio_cap`` ``c``: the gradient weight ``r`` is truncated at ``c`` (verl's ``clip_ratio_c``, a
     truncated importance weight; ``None``: untruncated, as SkyRL and prime-rl). The value is ``-A min(r, c)``
@@ -173,14 +166,8 @@ def dppo_surrogate(
     if dppo_ratio_cap is not None:
         check_range("dppo_ratio_cap", dppo_ratio_cap)
     ratio = torch.exp(log_ratio.clamp(-DPPO_LOG_RATIO_CLAMP, DPPO_LOG_RATIO_CLAMP))
+    dropped = dppo_dropped(logp, old_logp, adv, dppo_divergence, dppo_low, dppo_high)
     with torch.no_grad():
-        p, p_old = torch.exp(logp), torch.exp(old_logp)
-        if dppo_divergence == "tv":
-            up, down = p - p_old > dppo_high, p - p_old < -dppo_low
-        else:
-            kl = p_old * (old_logp - logp) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
-            up, down = (p > p_old) & (kl > dppo_high), (p < p_old) & (kl > dppo_low)
-        dropped = torch.where(adv > 0, up, down)
         capped = torch.zeros_like(dropped) if dppo_ratio_cap is None else ~dropped & (ratio > dppo_ratio_cap)
     weight = ratio if dppo_ratio_cap is None else ratio * (dppo_ratio_cap / ratio).clamp(max=1.0).detach()
     loss = torch.where(dropped, 0.0, -adv * weight)
@@ -189,78 +176,140 @@ def dppo_surrogate(
     return Surrogate(loss, ratio, stats)
 
 
-def clip_cov_surrogate(
-    log_ratio: Tensor, adv: Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
-    clip_cov_ratio: float = 2e-4, clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0, *, logp: Tensor,
-    mask: Tensor, selected: Tensor | None = None,
-) -> Surrogate:
-    """Clip-Cov (arXiv 2505.22617; verl ``clip_cov``, SkyRL ``CLIP_COV``): PPO clip, with the gradient of a
-    few high-covariance tokens stopped (their loss set to 0).
+@torch.no_grad()
+def dppo_dropped(logp: Tensor, old_logp: Tensor, adv: Tensor, divergence: str, low: float,
+                 high: float) -> Tensor:
+    """``[B, T]`` bool: the tokens DPPO drops, whose divergence on the sampled token leaves the region;
+    ``p = exp(logp)``, ``p_old = exp(old_logp)``:
 
-    The tokens: ``max(1, int(clip_cov_ratio N))`` of the ``N`` valid tokens, drawn at random among those
-    PPO's clip leaves unclipped with covariance ``(A - mean A)(logp - mean logp)`` in
-    ``(clip_cov_lb, clip_cov_ub)`` (:func:`~lightning_rl.maths.token_selection.clip_cov_mask`). Training
-    passes them as ``selected``, chosen over the whole minibatch before the micro-batches; ``None``: drawn
-    here on this batch (keys from the global RNG, like verl's ``randperm``).
-
-    Returns:
-        The :class:`Surrogate`; the clip's stats and ``cov_frac``, the share of tokens selected.
+    * ``tv``: ``p - p_old``; a token with ``A > 0`` is dropped where ``p - p_old > high``, any other where
+      ``p - p_old < -low`` (verl ``dppo_tv``, SkyRL ``binary_tv``, prime-rl's default loss).
+    * ``kl``: ``KL_bin = p_old log(p_old / p) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8))``;
+      dropped where ``A > 0``, ``p > p_old`` and ``KL_bin > high``, or ``A <= 0``, ``p < p_old`` and
+      ``KL_bin > low`` (verl ``dppo_kl``, SkyRL ``binary_kl``).
     """
-    _check_fraction("clip_cov_ratio", clip_cov_ratio)
-    if not clip_cov_lb < clip_cov_ub:
-        raise ValueError(f"`clip_cov_lb` must be < `clip_cov_ub`, got {clip_cov_lb} and {clip_cov_ub}")
-    base = clipped_surrogate(log_ratio, adv, clip_low, clip_high)
-    if selected is None:
-        cov = token_covariance(logp, adv, mask)
-        keys = torch.rand(logp.shape, device=logp.device)
-        selected = clip_cov_mask(cov, base.stats["clip_frac"], mask, clip_cov_ratio, clip_cov_lb, clip_cov_ub,
-                                 keys)
-    selected = selected.bool()
-    return Surrogate(torch.where(selected, 0.0, base.loss), base.ratio, {**base.stats, "cov_frac": selected})
+    p, p_old = torch.exp(logp), torch.exp(old_logp)
+    if divergence == "tv":
+        up, down = p - p_old > high, p - p_old < -low
+    else:
+        kl = p_old * (old_logp - logp) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+        up, down = (p > p_old) & (kl > high), (p < p_old) & (kl > low)
+    return torch.where(adv > 0, up, down)
 
 
-def kl_cov_surrogate(
-    log_ratio: Tensor, adv: Tensor, kl_cov_ratio: float = 2e-4, kl_cov_coef: float = 1.0, *, logp: Tensor,
-    mask: Tensor, selected: Tensor | None = None,
-) -> Surrogate:
-    """KL-Cov (arXiv 2505.22617; verl ``kl_cov``, SkyRL ``KL_COV``): the unclipped surrogate ``-A r``, plus
-    ``kl_cov_coef |log r|`` on the ``max(1, int(kl_cov_ratio N))`` valid tokens of largest covariance
-    ``(A - mean A)(logp - mean logp)`` (:func:`~lightning_rl.maths.token_selection.kl_cov_mask`).
+class SurrogateInputs(NamedTuple):
+    """The common inputs of every trust region (module docstring), all ``[B, T]``."""
 
-    Training passes those tokens as ``selected``, chosen over the whole minibatch before the micro-batches;
-    ``None``: chosen here on this batch. The penalty reaches a token whatever its advantage.
+    logp: Tensor
+    old_logp: Tensor
+    log_ratio: Tensor
+    adv: Tensor
+    mask: Tensor
+    selected: Tensor | None = None
 
-    Returns:
-        The :class:`Surrogate`; ``cov_frac``, the share of tokens penalised.
+
+class TrustRegion:
+    """The trust-region seam (``model.init_args.objective.trust_region``): a frozen dataclass of the region's
+    options whose :meth:`surrogate` turns the common inputs into a per-token loss.
+
+    A region whose surrogate reads a statistic of the whole minibatch (Clip-Cov, KL-Cov) sets
+    :attr:`selects_tokens` and implements :meth:`select`, which the learner calls once per minibatch over
+    every rank; :attr:`random_keys`: its selection draws at random, from keys fixed by each token's content.
     """
-    _check_fraction("kl_cov_ratio", kl_cov_ratio)
-    if kl_cov_coef < 0:
-        raise ValueError(f"`kl_cov_coef` must be >= 0, got {kl_cov_coef}")
-    if selected is None:
-        selected = kl_cov_mask(token_covariance(logp, adv, mask), mask, kl_cov_ratio)
-    selected = selected.bool()
-    ratio = torch.exp(log_ratio)
-    loss = -adv * ratio + torch.where(selected, kl_cov_coef * log_ratio.abs(), 0.0)
-    return Surrogate(loss, ratio, {"cov_frac": selected})
+
+    selects_tokens: ClassVar[bool] = False
+    random_keys: ClassVar[bool] = False
+
+    def surrogate(self, x: SurrogateInputs) -> Surrogate:
+        raise NotImplementedError
+
+    def select(self, logp: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor, keys: Tensor | None, *,
+               total: Reduce = one_process, gather: Reduce = one_process) -> Tensor:
+        """``[B, T]`` bool: the tokens this region's batch statistic selects, from the minibatch's values
+        before the update (``adv`` at the ratio level; ``keys``: random keys, when :attr:`random_keys`)."""
+        raise NotImplementedError(f"{type(self).__name__} selects no tokens")
 
 
-def _check_fraction(name: str, value: float) -> None:
-    if not 0 < value <= 1:
-        raise ValueError(f"`{name}` must be in (0, 1], got {value}")
+@dataclass(frozen=True)
+class Clip(TrustRegion):
+    """PPO clip on ``[1 - low, 1 + high]`` (:func:`clipped_surrogate`; DAPO's clip-higher: ``high`` >
+    ``low``).
+
+    Args:
+        low: in (0, 1). high: > 0. dual_clip: the dual-clip constant ``c`` > 1 capping the loss at ``-c A``
+            for ``A < 0`` (``None``: off).
+    """
+
+    low: float = 0.2
+    high: float = 0.2
+    dual_clip: float | None = None
+
+    def __post_init__(self) -> None:
+        c = self.dual_clip
+        require(KEY, low=(0 < self.low < 1, self.low, "in (0, 1)"), high=(self.high > 0, self.high, "> 0"),
+                dual_clip=(c is None or c > 1, c, "> 1 or null (off)"))
+
+    def surrogate(self, x: SurrogateInputs) -> Surrogate:
+        return clipped_surrogate(x.log_ratio, x.adv, self.low, self.high, self.dual_clip)
 
 
-TRUST_REGIONS: dict[str, Callable[..., Surrogate]] = {
-    "clip": clipped_surrogate,
-    "soft_gate": soft_gate_surrogate,
-    "cispo": cispo_surrogate,
-    "dppo": dppo_surrogate,
-    "clip_cov": clip_cov_surrogate,
-    "kl_cov": kl_cov_surrogate,
-}
+@dataclass(frozen=True)
+class SoftGate(TrustRegion):
+    """SAPO's soft gate (:func:`soft_gate_surrogate`).
+
+    Args:
+        tau_pos, tau_neg: the gate temperatures for positive / negative advantages, > 0.
+    """
+
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+
+    def __post_init__(self) -> None:
+        require(KEY, tau_pos=(self.tau_pos > 0, self.tau_pos, "> 0"),
+                tau_neg=(self.tau_neg > 0, self.tau_neg, "> 0"))
+
+    def surrogate(self, x: SurrogateInputs) -> Surrogate:
+        return soft_gate_surrogate(x.log_ratio, x.adv, self.tau_pos, self.tau_neg)
 
 
-def trust_region_options(name: str) -> tuple[str, ...]:
-    """The options of trust region ``name``: its parameters other than :data:`TRUST_REGION_INPUTS`."""
-    check_choice("trust_region", name, tuple(TRUST_REGIONS))
-    params = inspect.signature(TRUST_REGIONS[name]).parameters
-    return tuple(p for p in params if p not in TRUST_REGION_INPUTS)
+@dataclass(frozen=True)
+class CISPO(TrustRegion):
+    """CISPO (MiniMax-M1, :func:`cispo_surrogate`): ``-sg(min(r, 1 + high)) A logp``; with ``ratio_level:
+    sequence`` the capped weight is GSPO's sequence ratio.
+
+    Args:
+        high: > 0; the weight's cap is ``1 + high``.
+    """
+
+    high: float = 0.2
+
+    def __post_init__(self) -> None:
+        require(KEY, high=(self.high > 0, self.high, "> 0"))
+
+    def surrogate(self, x: SurrogateInputs) -> Surrogate:
+        return cispo_surrogate(x.log_ratio, x.adv, self.high, logp=x.logp)
+
+
+@dataclass(frozen=True)
+class DPPO(TrustRegion):
+    """DPPO (:func:`dppo_surrogate`): a divergence mask on the sampled token instead of the clip.
+
+    Args:
+        divergence: ``tv`` or ``kl``. low, high: the thresholds for negative / positive advantages, > 0.
+        ratio_cap: the cap on the gradient's ratio weight, > 0 (``None``: uncapped).
+    """
+
+    divergence: Literal["tv", "kl"] = "tv"
+    low: float = 0.2
+    high: float = 0.2
+    ratio_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        cap = self.ratio_cap
+        require(KEY, divergence=(self.divergence in ("tv", "kl"), self.divergence, "tv or kl"),
+                low=(self.low > 0, self.low, "> 0"), high=(self.high > 0, self.high, "> 0"),
+                ratio_cap=(cap is None or cap > 0, cap, "> 0 or null"))
+
+    def surrogate(self, x: SurrogateInputs) -> Surrogate:
+        return dppo_surrogate(x.log_ratio, x.adv, self.divergence, self.low, self.high, self.ratio_cap,
+                              logp=x.logp, old_logp=x.old_logp)

@@ -34,7 +34,7 @@ def test_presets_differ_from_the_base_only_in_the_groups_they_declare():
                        "GSPO": ["objective"], "SAPO": ["objective"]}
     assert preset_defaults(GRPO)["objective"].kl_coef == 0.04
     dapo = preset_defaults(DAPO)
-    assert (dapo["objective"].clip_high, dapo["objective"].aggregation) == (0.28, "token-mean")
+    assert (dapo["objective"].trust_region.high, dapo["objective"].aggregation) == (0.28, "token-mean")
     assert dapo["filters"].dynamic_sampling and dapo["rewards"].overlong_buffer == "auto"
 
 

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_rl.algorithms.trained import TrainedModule
 from lightning_rl.cli.main import LightningRLCLI
+from lightning_rl.maths.trust_regions import Clip
 
 ALL_CONFIGS = sorted(CONFIGS.glob("*.yaml"))  # strategy overlays and examples: tests/test_overlays.py
 # overlays beside the algorithm configs (any online config takes them)
@@ -77,12 +78,14 @@ def test_print_config_shows_the_groups_with_the_presets_defaults(capsys):
     """configs/dapo.yaml sets no `objective`: DAPO's own (clip-higher, token-mean) shows; GRPO's KL too."""
     dapo = printed_model(capsys, CONFIGS / "dapo.yaml")
     assert GROUPS <= set(dapo)
-    assert dapo["objective"]["clip_high"] == 0.28 and dapo["objective"]["clip_low"] == 0.2
+    assert dapo["objective"]["trust_region"] == {"class_path": "lightning_rl.maths.trust_regions.Clip",
+                                                 "init_args": {"low": 0.2, "high": 0.28, "dual_clip": None}}
     assert dapo["objective"]["aggregation"] == "token-mean" and dapo["objective"]["kl_coef"] == 0.0
     assert dapo["filters"]["dynamic_sampling"] is True
     grpo = printed_model(capsys, CONFIGS / "grpo.yaml")
     assert GROUPS <= set(grpo)
-    assert grpo["objective"]["kl_coef"] == 0.04 and grpo["objective"]["clip_high"] == 0.2
+    assert grpo["objective"]["kl_coef"] == 0.04
+    assert grpo["objective"]["trust_region"]["init_args"]["high"] == 0.2
     assert grpo["filters"]["dynamic_sampling"] is False
 
 
@@ -90,12 +93,20 @@ def test_a_yaml_setting_one_field_of_a_group_keeps_the_presets_others(tmp_path, 
     overlay = tmp_path / "kl.yaml"
     overlay.write_text("model:\n  init_args:\n    objective:\n      kl_coef: 0.01\n")
     printed = printed_model(capsys, CONFIGS / "dapo.yaml", overlay)["objective"]
-    assert (printed["kl_coef"], printed["clip_high"], printed["aggregation"]) == (0.01, 0.28, "token-mean")
+    high = printed["trust_region"]["init_args"]["high"]
+    assert (printed["kl_coef"], high, printed["aggregation"]) == (0.01, 0.28, "token-mean")
     cli = LightningRLCLI(args=["--config", str(CONFIGS / "dapo.yaml"), "--config", str(overlay),
                                "--trainer.logger.init_args.save_dir", str(tmp_path)], run=False)
     objective = cli.model.objective
     assert objective.kl_coef == 0.01 and cli.model.needs_reference
-    assert objective.clip_high == 0.28 and objective.clip_low == 0.2 and objective.aggregation == "token-mean"
+    assert objective.trust_region == Clip(low=0.2, high=0.28) and objective.aggregation == "token-mean"
+    # one option of the trust region changed: the preset's other options and its class are kept
+    high = tmp_path / "high.yaml"
+    high.write_text("model:\n  init_args:\n    objective:\n      trust_region:\n        init_args:\n"
+                    "          low: 0.1\n")
+    cli = LightningRLCLI(args=["--config", str(CONFIGS / "dapo.yaml"), "--config", str(high),
+                               "--trainer.logger.init_args.save_dir", str(tmp_path)], run=False)
+    assert cli.model.objective.trust_region == Clip(low=0.1, high=0.28)
 
 
 def test_omegaconf_interpolation(tmp_path):

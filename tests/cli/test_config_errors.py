@@ -96,6 +96,23 @@ CASES = {
                       ["`model.init_args.max_new_tokens` (in old_dpo.yaml, line 3) is now "
                        "`model.init_args.validation.max_new_tokens`",
                        f"lightning_rl.algorithms.DPO {GROUPS}"]),
+    # a trust-region option of the flat objective group, and a trust region given by its old name
+    "moved_trust_region_option": (["fit", "--config", GRPO, "--model.init_args.objective.clip_high", "0.28"],
+                                  ["`model.init_args.objective.clip_high` (on the command line: "
+                                   "--model.init_args.objective.clip_high) is now "
+                                   "`model.init_args.objective.trust_region.init_args.high` (of Clip, "
+                                   "CISPO or ClipCov)"]),
+    "moved_trust_region_flat": (["fit", "--config", GRPO, "--model.init_args.kl_cov_coef", "0.5"],
+                                ["`model.init_args.kl_cov_coef`", "is now "
+                                 "`model.init_args.objective.trust_region.init_args.coef` (of KLCov)"]),
+    "trust_region_by_old_name": (["fit", "--config", GRPO, "--model.init_args.objective.trust_region",
+                                  "soft_gate"],
+                                 ["`model.init_args.objective.trust_region.class_path` = 'soft_gate'",
+                                  "`class_path: lightning_rl.maths.trust_regions.SoftGate`"]),
+    "another_regions_option": (["fit", "--config", GRPO,
+                                "--model.init_args.objective.trust_region.init_args.tau_pos", "2"],
+                               ["`model.init_args.objective.trust_region.init_args.tau_pos`",
+                                "lightning_rl.maths.trust_regions.Clip has no argument `tau_pos`"]),
 }
 
 

@@ -645,60 +645,63 @@ def test_micro_batch_local_counts_differ_without_normalizers():
 
 
 # ----------------------------------------------------------------------- trust-region protocol, CISPO
-def test_trust_region_registry_and_options():
-    from typing import get_args
-
-    assert set(get_args(L.TrustRegion)) == set(L.TRUST_REGIONS)
-    assert L.TRUST_REGION_INPUTS == ("logp", "old_logp", "log_ratio", "adv", "mask", "selected")
-    assert L.trust_region_options("clip") == ("clip_low", "clip_high", "clip_ratio_c")
-    assert L.trust_region_options("soft_gate") == ("tau_pos", "tau_neg")
-    assert L.trust_region_options("cispo") == ("clip_high",)
-    assert L.trust_region_options("dppo") == ("dppo_divergence", "dppo_low", "dppo_high", "dppo_ratio_cap")
-    assert L.trust_region_options("clip_cov") == ("clip_low", "clip_high", "clip_cov_ratio", "clip_cov_lb",
-                                                  "clip_cov_ub")
-    assert L.trust_region_options("kl_cov") == ("kl_cov_ratio", "kl_cov_coef")
-    with pytest.raises(ValueError, match="trust_region"):
-        L.trust_region_options("trpo")
-
-
-def test_every_trust_region_takes_the_common_inputs_as_keywords():
+def test_every_trust_region_is_a_dataclass_of_its_options_calling_its_function():
+    """Each region's ``surrogate`` is its pure function applied with its own fields: the same numbers as the
+    function called directly (positional form kept for direct callers)."""
     torch.manual_seed(0)
     logp, log_ratio, adv = (torch.randn(2, 3, dtype=F64) * 0.3 for _ in range(3))
     mask = torch.ones(2, 3, dtype=torch.bool)
-    inputs = {"logp": logp, "old_logp": logp - log_ratio, "log_ratio": log_ratio, "adv": adv, "mask": mask,
-              "selected": None}
-    for name, fn in L.TRUST_REGIONS.items():  # each is called with the common inputs it names
-        named = set(inspect.signature(fn).parameters) & set(L.TRUST_REGION_INPUTS)
-        assert {"log_ratio", "adv"} <= named, name
-        out = fn(**{k: v for k, v in inputs.items() if k in named})
-        assert isinstance(out, L.Surrogate) and out.loss.shape == (2, 3), name
-    # the existing regions keep their positional (log_ratio, adv, options...) form for direct callers
-    positional = L.clipped_surrogate(log_ratio, adv, 0.2, 0.28)
-    keywords = L.TRUST_REGIONS["clip"](logp=logp, log_ratio=log_ratio, adv=adv, mask=mask, clip_high=0.28)
-    torch.testing.assert_close(positional.loss, keywords.loss)
-    gate = L.TRUST_REGIONS["soft_gate"](logp=logp, log_ratio=log_ratio, adv=adv, mask=mask, tau_neg=2.0)
-    torch.testing.assert_close(L.soft_gate_surrogate(log_ratio, adv, 1.0, 2.0).loss, gate.loss)
+    x = L.SurrogateInputs(logp=logp, old_logp=logp - log_ratio, log_ratio=log_ratio, adv=adv, mask=mask)
+    selected = torch.tensor([[True, False, False], [False, False, True]])
+    cases = [
+        (L.Clip(0.1, 0.28, 3.0), L.clipped_surrogate(log_ratio, adv, 0.1, 0.28, 3.0)),
+        (L.SoftGate(1.0, 2.0), L.soft_gate_surrogate(log_ratio, adv, 1.0, 2.0)),
+        (L.CISPO(0.3), L.cispo_surrogate(log_ratio, adv, 0.3, logp=logp)),
+        (L.DPPO("kl", 0.1, 0.05, 1.5), L.dppo_surrogate(log_ratio, adv, "kl", 0.1, 0.05, 1.5, logp=logp,
+                                                         old_logp=logp - log_ratio)),
+    ]
+    for region, expected in cases:
+        out = region.surrogate(x)
+        assert isinstance(out, L.Surrogate) and out.loss.shape == (2, 3), region
+        torch.testing.assert_close(out.loss, expected.loss)
+    for region, fn in ((L.ClipCov(0.2, 0.2, 0.5, -1.0, 1.0), L.clip_cov_surrogate),
+                       (L.KLCov(0.5, 0.7), L.kl_cov_surrogate)):
+        out = region.surrogate(x._replace(selected=selected))
+        args = (0.2, 0.2, 0.5, -1.0, 1.0) if fn is L.clip_cov_surrogate else (0.5, 0.7)
+        expected = fn(log_ratio, adv, *args, logp=logp, mask=mask, selected=selected)
+        torch.testing.assert_close(out.loss, expected.loss)
+        assert out.stats["cov_frac"].tolist() == selected.tolist()
 
 
-def test_a_batch_statistic_trust_region_gets_logp_and_mask(monkeypatch):
-    # a Clip-Cov-like region: the covariance of logp and A over valid tokens decides which tokens it keeps
+def test_a_new_trust_region_needs_only_its_class():
+    """A region written outside the package (a subclass of ``TrustRegion``) runs through ``policy_loss`` and
+    ``Objective`` unchanged, and sees padding zeroed before it."""
+    from dataclasses import dataclass
+
+    from lightning_rl.maths.objective import Objective
+
     seen = {}
 
-    def cov_region(*, logp, log_ratio, adv, mask, k=1.0):
-        seen.update(logp=logp.detach().clone(), mask=mask, k=k)
-        n = mask.sum()
-        centered = torch.where(mask, logp - logp.sum() / n, 0.0) * torch.where(mask, adv - adv.sum() / n, 0.0)
-        keep = centered.detach() <= k * centered.detach().sum() / n
-        return L.Surrogate(-torch.where(keep, torch.exp(log_ratio), 0.0) * adv, torch.exp(log_ratio), {})
+    @dataclass(frozen=True)
+    class CovRegion(L.TrustRegion):  # a Clip-Cov-like region: keeps the tokens of covariance <= k * mean
+        k: float = 1.0
 
-    monkeypatch.setitem(L.TRUST_REGIONS, "cov", cov_region)
-    assert L.trust_region_options("cov") == ("k",)
+        def surrogate(self, x):
+            seen.update(logp=x.logp.detach().clone(), mask=x.mask, k=self.k)
+            n = x.mask.sum()
+            centered = (torch.where(x.mask, x.logp - x.logp.sum() / n, 0.0)
+                        * torch.where(x.mask, x.adv - x.adv.sum() / n, 0.0))
+            keep = centered.detach() <= self.k * centered.detach().sum() / n
+            ratio = torch.exp(x.log_ratio)
+            return L.Surrogate(-torch.where(keep, ratio, 0.0) * x.adv, ratio, {})
+
     logp = t([[-1.0, -2.0, math.nan], [-0.5, -1.5, -3.0]], grad=True)
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
-    loss, _ = L.policy_loss(logp, logp.detach(), None, t([1.0, -1.0]), mask, trust_region="cov",
-                            trust_region_args={"k": 0.5})
+    loss, _ = L.policy_loss(logp, logp.detach(), None, t([1.0, -1.0]), mask, trust_region=CovRegion(0.5))
     assert torch.isfinite(loss) and seen["k"] == 0.5 and seen["mask"].dtype == torch.bool
     close(seen["logp"], [[-1.0, -2.0, 0.0], [-0.5, -1.5, -3.0]])  # padding zeroed before the region
+    same, _ = Objective(trust_region=CovRegion(0.5))(logp, logp.detach(), None, t([1.0, -1.0]), mask)
+    close(same, loss.detach())
 
 
 # CISPO on a [2, 3] batch, clip_high = 0.28 (cap 1.28). log r: row 0 [0, ln 2, -ln 2], row 1 [0, ln 1.5, pad];
@@ -718,7 +721,7 @@ def _cispo_case():
 
 def test_cispo_hand_values_and_gradient():
     logp, old, adv, mask = _cispo_case()
-    cispo = {"trust_region": "cispo", "trust_region_args": {"clip_high": 0.28}}
+    cispo = {"trust_region": L.CISPO(high=0.28)}
     loss, m = L.policy_loss(logp, old, None, adv, mask, aggregation="token-mean", **cispo)
     close(loss, 0.05)
     loss.backward()
@@ -738,8 +741,8 @@ def test_cispo_with_sequence_ratio_weights_each_row_by_its_capped_sequence_ratio
     # capped at 1.2 (clip_high 0.2). -w A sum(logp): row 0 -1*1*(-3.5) = 3.5; row 1 -1.2*(-2)*(-1.5) = -3.6;
     # token-mean (3.5 - 3.6) / 5 = -0.02; gradient -w A / 5: row 0 -0.2, row 1 2.4 / 5 = 0.48
     logp, old, adv, mask = _cispo_case()
-    loss, m = L.policy_loss(logp, old, None, adv, mask, ratio_level="sequence", trust_region="cispo",
-                            trust_region_args={"clip_high": 0.2}, aggregation="token-mean")
+    loss, m = L.policy_loss(logp, old, None, adv, mask, ratio_level="sequence",
+                            trust_region=L.CISPO(high=0.2), aggregation="token-mean")
     close(loss, -0.02)
     loss.backward()
     close(logp.grad, [[-0.2, -0.2, -0.2], [0.48, 0.48, 0.0]])
@@ -773,7 +776,7 @@ def test_cispo_matches_verl_and_trl():
     mask = torch.rand(4, 6) > 0.3
     mask[:, 0] = True
     m = mask.to(F64)
-    ours = Objective(trust_region="cispo", clip_high=0.28, aggregation="token-mean")
+    ours = Objective(trust_region=L.CISPO(high=0.28), aggregation="token-mean")
     loss, grad = ([] for _ in range(2))
     for fn in (lambda x: ours(x, old, None, adv, mask)[0],
                lambda x: _verl_cispo(old, x, adv[:, None].expand(4, 6), m, 0.28),
@@ -795,7 +798,7 @@ def test_cispo_on_policy_gradient_is_the_policy_gradient(mode):
     torch.manual_seed(1)
     logp, adv = torch.randn(3, 4, dtype=F64).requires_grad_(), torch.randn(3, dtype=F64)
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]]).bool()
-    cispo, _ = L.policy_loss(logp, logp.detach(), None, adv, mask, trust_region="cispo", aggregation=mode)
+    cispo, _ = L.policy_loss(logp, logp.detach(), None, adv, mask, trust_region=L.CISPO(), aggregation=mode)
     ppo, _ = L.policy_loss(logp, logp.detach(), None, adv, mask, aggregation=mode)
     g_cispo, = torch.autograd.grad(cispo, logp)
     g_ppo, = torch.autograd.grad(ppo, logp)
@@ -845,22 +848,18 @@ def _ok():
         (lambda lp, o, a, m: L.gae_advantages(lp, o[:1], m), "`values` has shape"),
         (lambda lp, o, a, m: L.gae_advantages(lp, o, m, gamma=1.5), "`gamma`"),
         (lambda lp, o, a, m: L.gae_advantages(lp, o, m, lam=-0.1), "`lam`"),
-        (lambda lp, o, a, m: L.policy_loss(lp, o, None, a, m, trust_region="trpo"), "`trust_region`"),
-        (
-            lambda lp, o, a, m: L.policy_loss(lp, o, None, a, m, trust_region="cispo",
-                                              trust_region_args={"clip_high": 0.0}),
-            "`clip_high` must be",
-        ),
-        (
-            lambda lp, o, a, m: L.policy_loss(lp, o, None, a, m, trust_region="cispo",
-                                              trust_region_args={"clip_low": 0.2}),
-            r"`trust_region_args` \['clip_low'\] are not options of trust region 'cispo'",
-        ),
+        (lambda lp, o, a, m: L.policy_loss(lp, o, None, a, m, trust_region=L.CISPO(high=0.0)),
+         "`model.objective.trust_region.high` must be > 0"),
     ],
 )
 def test_policy_validation_errors(call, match):
     with pytest.raises(ValueError, match=match):
         call(*_ok())
+
+
+def test_a_trust_region_given_by_name_is_refused_naming_the_classes():
+    with pytest.raises(TypeError, match="`trust_region` must be a TrustRegion .*Clip, SoftGate, CISPO"):
+        L.policy_loss(*_ok()[:2], None, *_ok()[2:], trust_region="cispo")
 
 
 @pytest.mark.parametrize(

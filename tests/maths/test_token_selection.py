@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from lightning_rl import losses as L
+from lightning_rl.maths.covariance_regions import ClipCov, KLCov
 from lightning_rl.maths.objective import Objective
+from lightning_rl.maths.trust_regions import DPPO
 
 F64 = torch.float64
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -135,8 +137,7 @@ def test_dppo_matches_verl_gradient_and_skyrl_value_and_gradient(divergence):
     logp, old, adv, mask, _, _ = random_batch(1)
     a = adv[:, None].expand_as(logp)
     low, high = (0.15, 0.1) if divergence == "tv" else (0.05, 0.04)
-    obj = Objective(trust_region="dppo", dppo_divergence=divergence, dppo_low=low, dppo_high=high,
-                    aggregation="token-mean")
+    obj = Objective(trust_region=DPPO(divergence=divergence, low=low, high=high), aggregation="token-mean")
     ours, ours_grad = grad_of(lambda x: obj(x, old, None, adv, mask)[0], logp)
     _, verl_grad = grad_of(lambda x: verl_dppo(old, x, a, mask, divergence, low, high), logp)
     sky, sky_grad = grad_of(lambda x: skyrl_dppo(x, old, a, mask, divergence, low, high), logp)
@@ -146,8 +147,8 @@ def test_dppo_matches_verl_gradient_and_skyrl_value_and_gradient(divergence):
     dropped = obj(logp, old, None, adv, mask)[1]["policy/clip_frac"]
     assert 0 < dropped < 1  # the batch exercises the mask
     # with a cap that bites, verl's truncated weight
-    capped = Objective(trust_region="dppo", dppo_divergence=divergence, dppo_low=low, dppo_high=high,
-                       dppo_ratio_cap=1.05, aggregation="token-mean")
+    capped = Objective(trust_region=DPPO(divergence=divergence, low=low, high=high, ratio_cap=1.05),
+                       aggregation="token-mean")
     _, capped_grad = grad_of(lambda x: capped(x, old, None, adv, mask)[0], logp)
     _, verl_capped = grad_of(lambda x: verl_dppo(old, x, a, mask, divergence, low, high, cap=1.05), logp)
     torch.testing.assert_close(capped_grad, verl_capped)
@@ -165,7 +166,7 @@ def test_dppo_matches_prime_rls_default_loss_without_its_kl_term():
         masked = torch.where(a > 0, diff > 0.1, diff < -0.1)
         return -((mask & ~masked) * a * ratio).sum()
 
-    obj = Objective(trust_region="dppo", dppo_low=0.1, dppo_high=0.1, aggregation="seq-mean-token-sum")
+    obj = Objective(trust_region=DPPO(low=0.1, high=0.1), aggregation="seq-mean-token-sum")
     n_seq = mask.any(1).sum()
     ours, g = grad_of(lambda x: obj(x, old, None, adv, mask)[0] * n_seq, logp)
     theirs, g_prime = grad_of(prime, logp)
@@ -232,7 +233,7 @@ def test_kl_cov_hand_values():
     logp = t(COV_LOGP, grad=True)
     mask = torch.tensor(COV_MASK)
     old = logp.detach() - t(COV_LOG_R)
-    obj = Objective(trust_region="kl_cov", kl_cov_ratio=0.4, aggregation="token-mean")
+    obj = Objective(trust_region=KLCov(ratio=0.4), aggregation="token-mean")
     selection = obj.select(logp.detach(), old, t([1.0, -1.0]), mask, None)
     assert selection.selected.tolist() == [[True, False, False], [False, True, False]]
     loss, metrics = obj(logp, old, None, t([1.0, -1.0]), mask, selection=selection)
@@ -253,11 +254,10 @@ def test_clip_cov_hand_values():
     old = logp.detach() - t(COV_LOG_R)
     adv = t([1.0, -1.0])
     keys = t([[0.7, 0.1, 0.1], [0.1, 0.3, 0.0]])  # row 0 t1 has the smallest key but PPO clips it
-    wide = Objective(trust_region="clip_cov", clip_cov_ratio=0.2, clip_cov_lb=0.5, clip_cov_ub=1.5)
+    wide = Objective(trust_region=ClipCov(ratio=0.2, lb=0.5, ub=1.5))
     assert wide.select(logp.detach(), old, adv, mask, None, keys=keys).selected.tolist() == \
         [[False, False, False], [False, True, False]]
-    narrow = Objective(trust_region="clip_cov", clip_cov_ratio=0.2, clip_cov_lb=0.5, clip_cov_ub=1.0,
-                       aggregation="token-mean")
+    narrow = Objective(trust_region=ClipCov(ratio=0.2, lb=0.5, ub=1.0), aggregation="token-mean")
     selection = narrow.select(logp.detach(), old, adv, mask, None, keys=keys)
     assert selection.selected.tolist() == [[True, False, False], [False, False, False]]
     loss, metrics = narrow(logp, old, None, adv, mask, selection=selection)
@@ -307,7 +307,7 @@ def verl_kl_cov(old, logp, adv, mask, ratio_k, coef):
 def test_kl_cov_equals_verls_definition():
     logp, old, adv, mask, _, _ = random_batch(3)
     a = adv[:, None].expand_as(logp)
-    obj = Objective(trust_region="kl_cov", kl_cov_ratio=0.2, kl_cov_coef=0.7, aggregation="token-mean")
+    obj = Objective(trust_region=KLCov(ratio=0.2, coef=0.7), aggregation="token-mean")
     sel = obj.select(logp, old, adv, mask, None)
     assert int(sel.selected.sum()) == max(1, int(0.2 * int(mask.sum())))
     ours, g = grad_of(lambda x: obj(x, old, None, adv, mask, selection=sel)[0], logp)
@@ -319,8 +319,8 @@ def test_kl_cov_equals_verls_definition():
 def test_clip_cov_equals_verls_definition_when_the_draw_takes_every_candidate():
     logp, old, adv, mask, _, _ = random_batch(4)
     a = adv[:, None].expand_as(logp)
-    obj = Objective(trust_region="clip_cov", clip_low=0.1, clip_high=0.1, clip_cov_ratio=1.0,
-                    clip_cov_lb=0.05, clip_cov_ub=0.6, aggregation="token-mean")
+    obj = Objective(trust_region=ClipCov(low=0.1, high=0.1, ratio=1.0, lb=0.05, ub=0.6),
+                    aggregation="token-mean")
     sel = obj.select(logp, old, adv, mask, None, keys=torch.rand(logp.shape, dtype=F64))
     ours, g = grad_of(lambda x: obj(x, old, None, adv, mask, selection=sel)[0], logp)
     theirs, g_verl = grad_of(lambda x: verl_clip_cov(old, x, a, mask.double(), 0.1, 0.1, 1.0, 0.05, 0.6,
@@ -333,7 +333,7 @@ def test_clip_cov_equals_verls_definition_when_the_draw_takes_every_candidate():
 
 def test_clip_cov_draws_k_of_the_candidates_by_key():
     logp, old, adv, mask, _, _ = random_batch(5)
-    obj = Objective(trust_region="clip_cov", clip_cov_ratio=0.1, clip_cov_lb=-10.0, clip_cov_ub=10.0)
+    obj = Objective(trust_region=ClipCov(ratio=0.1, lb=-10.0, ub=10.0))
     keys = torch.rand(logp.shape, dtype=F64, generator=torch.Generator().manual_seed(0))
     sel = obj.select(logp, old, adv, mask, None, keys=keys).selected
     k = max(1, int(0.1 * int(mask.sum())))
@@ -435,9 +435,9 @@ def oracle_per_token(option, logp, old, adv, mask, ratio_level, selection, sampl
 
 
 OPTIONS = {
-    "dppo": dict(trust_region="dppo", dppo_low=0.1, dppo_high=0.1),
-    "clip_cov": dict(trust_region="clip_cov", clip_cov_ratio=0.1, clip_cov_lb=-5.0, clip_cov_ub=5.0),
-    "kl_cov": dict(trust_region="kl_cov", kl_cov_ratio=0.2, kl_cov_coef=0.5),
+    "dppo": dict(trust_region=DPPO(low=0.1, high=0.1)),
+    "clip_cov": dict(trust_region=ClipCov(ratio=0.1, lb=-5.0, ub=5.0)),
+    "kl_cov": dict(trust_region=KLCov(ratio=0.2, coef=0.5)),
     "entropy": dict(top_entropy_quantile=0.3),
     "opsm": dict(off_policy_mask_threshold=0.1),
 }
@@ -568,7 +568,7 @@ def test_an_objective_that_selects_refuses_a_call_without_the_selection():
         assert obj.selects_tokens
         with pytest.raises(ValueError, match="selection"):
             obj(logp, old, None, adv, mask)
-    assert not Objective(trust_region="dppo").selects_tokens
+    assert not Objective(trust_region=DPPO()).selects_tokens
     assert not Objective(off_policy_mask_threshold=0.1).selects_tokens
     with pytest.raises(ValueError, match="top_entropy_quantile"):
         Objective(top_entropy_quantile=0.5).select(logp, old, adv, mask, None)

@@ -12,6 +12,7 @@ import torch
 from helpers import make
 
 from lightning_rl.algorithms import GRPO, OnlineRL
+from lightning_rl.maths.trust_regions import Clip
 from lightning_rl.models.packing import pack, packable
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "algorithms"))
@@ -80,7 +81,7 @@ def test_packing_is_checked_and_refused_where_attention_ignores_the_position_res
 
 @pytest.mark.slow
 def test_packed_updates_make_the_padded_gradient_in_every_aggregation(tmp_path):
-    module = make(OnlineRL, objective={"clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.1},
+    module = make(OnlineRL, objective={"trust_region": Clip(0.2, 0.28), "kl_coef": 0.1},
                   update={"max_grad_norm": None}, optimizer=partial(torch.optim.SGD, lr=0.0))
 
     def experiment(trainer, module):

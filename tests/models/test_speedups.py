@@ -11,6 +11,7 @@ from ddp_update import fixed_rollout
 from helpers import datamodule, make, make_trainer, update
 
 from lightning_rl.algorithms import GRPO
+from lightning_rl.maths.trust_regions import Clip
 from lightning_rl.models.scoring import shared_prompts
 
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -34,7 +35,7 @@ def _grads(tmp_path, share: bool) -> tuple[dict, bool]:
     torch.manual_seed(0)
     module = make(Probe, sampling={"share_prompt_prefix": share},
                   update={"micro_batch_size": 3, "max_grad_norm": None},
-                  objective={"kl_coef": 0.1, "clip_low": 0.2, "clip_high": 0.28, "entropy_coef": 0.01},
+                  objective={"kl_coef": 0.1, "trust_region": Clip(0.2, 0.28), "entropy_coef": 0.01},
                   optimizer=partial(torch.optim.SGD, lr=0.0))
     make_trainer(tmp_path, max_steps=1).fit(module, datamodule(batch_size=2))
     return module.grads, module.shared

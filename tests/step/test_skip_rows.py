@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "algorithms"))
 from test_online_rl import AGGS, grads, max_diff, norm, prepare_rollout, probe  # noqa: E402
 
 from lightning_rl.algorithms import OnlineRL  # noqa: E402
+from lightning_rl.maths.trust_regions import Clip
 from lightning_rl.step.filters import DropUniformGroups  # noqa: E402
 from lightning_rl.step.rollout import Rollout  # noqa: E402
 from lightning_rl.step.update import policy_rows, token_bins  # noqa: E402
@@ -75,7 +76,7 @@ def skipping_grads(module, rollout, skip: bool, micro, aggregation):
 def test_skipping_zero_advantage_rows_leaves_the_gradient_unchanged_in_every_aggregation(tmp_path):
     """Off-policy old log-probs (the clip bites), two groups with zero advantage, two rows without a loss
     token, rows of different lengths: with and without skipping, whole and in micro-batches of 3."""
-    module = make(OnlineRL, objective={"clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.0},
+    module = make(OnlineRL, objective={"trust_region": Clip(0.2, 0.28), "kl_coef": 0.0},
                   update={"max_grad_norm": None}, optimizer=partial(torch.optim.SGD, lr=0.0))
 
     def experiment(trainer, module):
@@ -132,7 +133,7 @@ def test_token_bins_pack_rows_of_like_lengths_within_the_budget():
 
 @pytest.mark.slow
 def test_a_token_budget_makes_the_same_gradient_with_less_padding(tmp_path):
-    module = make(OnlineRL, objective={"clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.1},
+    module = make(OnlineRL, objective={"trust_region": Clip(0.2, 0.28), "kl_coef": 0.1},
                   update={"max_grad_norm": None}, optimizer=partial(torch.optim.SGD, lr=0.0))
 
     def experiment(trainer, module):
