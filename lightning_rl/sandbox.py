@@ -136,10 +136,7 @@ def run_python(code: str, *, timeout: float = 5.0, cpu_seconds: int | None = Non
     work, private = Path(tempfile.mkdtemp(prefix="lrl-sandbox-")), Path(tempfile.mkdtemp(prefix="lrl-out-"))
     cgroup = make_cgroup(max_processes + 2)
     try:
-        (work / "main.py").write_text(code)
-        uid = NOBODY if os.geteuid() == 0 else os.getuid()
-        for path in (work, work / "main.py") if uid != os.getuid() else ():
-            os.chown(path, uid, uid)  # the folder is the unprivileged user's
+        uid = write_code(work, code)
         nproc = "" if cgroup else user_processes(uid) + max_processes + 2  # used without a user namespace
         config = {"cpu": cpu, "memory": memory_mb << 20, "fsize": file_size_mb << 20, "nproc": nproc,
                   "processes": max_processes, "cgroup": cgroup / "cgroup.procs" if cgroup else "",
@@ -150,6 +147,16 @@ def run_python(code: str, *, timeout: float = 5.0, cpu_seconds: int | None = Non
         shutil.rmtree(private, ignore_errors=True)
         if cgroup:
             remove_cgroup(cgroup)
+
+
+def write_code(work: Path, code: str) -> int:
+    """Write ``code`` to ``work/main.py`` and give the folder and the file to the user the child runs as:
+    ``nobody`` when this process is root, else this user (nothing to give). That user's id."""
+    (work / "main.py").write_text(code)
+    uid = NOBODY if os.geteuid() == 0 else os.getuid()
+    for path in (work, work / "main.py") if uid != os.getuid() else ():
+        os.chown(path, uid, uid)  # the folder is the unprivileged user's
+    return uid
 
 
 def containment_mode(containment: str | None) -> str:

@@ -47,6 +47,29 @@ def make_hook(work: str, readable: list[str]) -> Callable[[str, tuple], None]:
     resolve, under = make_resolve(), make_under()
     inside = (resolve(work),)
     may_read = inside + tuple(resolve(p) for p in readable if p)
+    refusal = make_refusal(inside, may_read, resolve, under)
+    guarded = (resolve, under, refusal)
+
+    def hook(event: str, args: tuple, refusal=refusal, guarded=guarded) -> None:
+        what = refusal(event, args)
+        if not what and event == "object.__setattr__":
+            for function in guarded:
+                what = "rewriting the audit hook" if args[0] is function else what
+        if what:
+            del refusal, guarded  # nothing of the hook's left in its frame, which the traceback holds
+            raise PermissionError(f"sandbox refused {what}")
+
+    return hook
+
+
+def make_refusal(inside: tuple[str, ...], may_read: tuple[str, ...], resolve: Callable[[str], str],
+                 under: Callable[..., bool]) -> Callable[[str, tuple], str]:
+    """The hook's check of one event: why it is refused, ``""`` when it is not. Refused: the ``REFUSED``
+    events, ``dir_fd`` arguments, writes outside ``inside`` (the work folder, resolved), reads outside
+    ``may_read`` (the work folder, then the readable roots), native modules from outside ``may_read[1:]``
+    (the library).
+
+    Like the hook, it holds what it uses as positional defaults, not in closure cells nor in globals."""
 
     def refusal(event: str, args: tuple, refused=REFUSED, writes=WRITE_EVENTS, reads=READ_EVENTS,
                 dir_fds=DIR_FD_ARGS, inside=inside, may_read=may_read, under=under, resolve=resolve, len_=len,
@@ -73,18 +96,7 @@ def make_hook(work: str, readable: list[str]) -> Callable[[str, tuple], None]:
                     return f"{event} outside the sandbox folder"
         return ""
 
-    guarded = (resolve, under, refusal)
-
-    def hook(event: str, args: tuple, refusal=refusal, guarded=guarded) -> None:
-        what = refusal(event, args)
-        if not what and event == "object.__setattr__":
-            for function in guarded:
-                what = "rewriting the audit hook" if args[0] is function else what
-        if what:
-            del refusal, guarded  # nothing of the hook's left in its frame, which the traceback holds
-            raise PermissionError(f"sandbox refused {what}")
-
-    return hook
+    return refusal
 
 
 def make_resolve() -> Callable[[str], str]:

@@ -11,7 +11,8 @@ rewrites history (drops earlier ``<think>`` blocks, say) cannot change what is t
 Contract: every return of the environment's ``reset``, ``step`` and ``final_reward`` is checked
 (:func:`~lightning_rl.episodes.environments.checked_step` and its siblings), and so is the length of a prompt
 ``reset`` returned; a violation names the class, the method and the episode, and fails the episode like an
-exception (``on_error``). Observations are cut to what the episode can still hold before they are tokenised.
+exception (``on_error``). Observations are cut to what the episode can still hold before they are tokenised
+(:mod:`lightning_rl.episodes.observations`).
 
 Collectives: each turn every rank makes one all-reduce of its number of unfinished episodes and stops when
 the sum is 0, so ranks whose episodes take different numbers of turns make the same calls; where generation
@@ -36,7 +37,6 @@ from lightning_rl.episodes.environments import (
     Environment,
     Episode,
     EpisodeBatch,
-    Observation,
     Turn,
     checked_final_reward,
     checked_reset,
@@ -44,16 +44,13 @@ from lightning_rl.episodes.environments import (
     episode_stats,
     episodes_generation,
 )
-from lightning_rl.episodes.tool_formats import ToolFormat, chat_suffix
+from lightning_rl.episodes.observations import observation_ids, render_observation
+from lightning_rl.episodes.tool_formats import ToolFormat
 from lightning_rl.episodes.tool_formats import tool_format as make_tool_format
 from lightning_rl.episodes.tools import Tool, execute_all, load_tools
 from lightning_rl.maths.checks import require
 from lightning_rl.models.generation import Generation, SamplingParams
 from lightning_rl.text.pairs import pad_rows
-
-# An observation is tokenised from its first (room left x this) characters, 4x more while that holds fewer
-# tokens than the room, so a huge tool result costs about the tokens the episode could still keep.
-CHARS_PER_TOKEN = 16
 
 
 def episode_runner(environment: Environment | None, tools: list[str] | None, *, tokenizer: Any,
@@ -250,27 +247,12 @@ class EpisodeRunner:
         role, observation = self.answer(ep, text)
         ep.env_time += time.perf_counter() - start
         if observation:
-            obs_ids = self.observation_ids(observation, self.max_episode_tokens - ep.num_tokens)
+            obs_ids = observation_ids(self.tokenizer, observation, self.max_episode_tokens - ep.num_tokens)
             if obs_ids is None:  # no room left to answer it
                 ep.truncated = ep.done = True
             else:
                 ep.turns.append(Turn(role, observation, obs_ids))
         ep.done = ep.done or last
-
-    def observation_ids(self, observation: str, room: int) -> list[int] | None:
-        """The observation's ids when fewer than ``room`` tokens (the model must still answer), else ``None``.
-
-        Only a prefix is tokenised: ``room * CHARS_PER_TOKEN`` characters, 4x more while that prefix holds
-        fewer than ``room`` tokens and is not the whole text; a prefix of ``room`` tokens or more means the
-        whole cannot fit. A 10 MB tool result costs the tokens of a few kilobytes."""
-        limit = max(1, room) * CHARS_PER_TOKEN
-        while True:
-            ids = self.tokenizer(observation[:limit], add_special_tokens=False)["input_ids"]
-            if len(ids) >= room:
-                return None
-            if limit >= len(observation):
-                return ids
-            limit *= 4
 
     def answer(self, ep: Episode, text: str) -> tuple[str, str | None]:
         """``(role, observation text)`` for a model turn: tool results when it calls tools, else the
@@ -294,17 +276,7 @@ class EpisodeRunner:
         ep.done = bool(result.done)
         if result.observation is None or ep.done:
             return "environment", None
-        return "environment", self.render_observation(result.observation)
-
-    def render_observation(self, observation: Observation) -> str:
-        """An environment's observation as text appended after the model's EOS (once, never re-rendered)."""
-        if self.chat:
-            messages = [{"role": "user", "content": observation}] if isinstance(observation, str) \
-                else list(observation)
-            return chat_suffix(self.tokenizer, messages)
-        if isinstance(observation, str):
-            return observation
-        return "".join(str(m.get("content", "")) for m in observation)
+        return "environment", render_observation(self.tokenizer, result.observation, self.chat)
 
     def guarded(self, ep: Episode, what: str, fn: Callable[[], Any]) -> Any:
         """``fn()`` (the environment's method ``what``), failing the episode on an exception: see

@@ -172,8 +172,8 @@ def execute_all(tools: Mapping[str, Tool], calls: Sequence[ToolCall | ToolResult
     """Run a turn's calls at once, all within one deadline ``timeout`` seconds away; results in call order;
     never raises.
 
-    Isolated tools each run in a worker process (``lightning_rl.step.workers.WORKERS``), all sent before any
-    is waited for (:func:`lightning_rl.step.rewards.run_all`), so a turn whose calls all hang costs one
+    Isolated tools each run in a worker process (``lightning_rl.step.worker_pool.WORKERS``), all sent before
+    any is waited for (:func:`lightning_rl.step.rewards.run_all`), so a turn whose calls all hang costs one
     ``timeout``, not one per call; a call not back by the deadline has its worker killed (the next call gets
     a new one) and answers ``timed_out=True``. Tools that are not isolated (``calculator``, the sandbox tool:
     bounded by their own limits) run in this thread, in order, while the workers run. An unknown tool,

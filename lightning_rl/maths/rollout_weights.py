@@ -144,18 +144,24 @@ def rollout_mismatch_stats(
     raw = token if level == "token" else _rollout_log_weights(old_logp, rollout_logp, mask, level)
     outside = _outside(torch.exp(raw.clamp(max=ROLLOUT_LOG_WEIGHT_MAX)), low, cap) & mask
     masked = outside if mode == "mask" else torch.zeros_like(outside)
-    count, zero = mask.sum().clamp_min(1), torch.zeros_like(token)
-    rows = mask.any(-1)
-
-    def mean(x: Tensor) -> Tensor:
-        return torch.where(mask, x.to(token.dtype), 0.0).sum() / count
-
+    k3 = kl_penalty(torch.zeros_like(token), token.clamp(max=ROLLOUT_LOG_WEIGHT_MAX), "k3")
     return {
-        "rollout/logp_diff_mean": mean(token.abs()),
-        "rollout/mismatch_k3": mean(kl_penalty(zero, token.clamp(max=ROLLOUT_LOG_WEIGHT_MAX), "k3")),
-        "rollout/is_weight_mean": mean(weights.detach()),
-        "rollout/is_clipped_frac": mean(outside),
-        "rollout/is_masked_frac": mean(masked),
-        "rollout/seq_masked_frac": ((masked | ~mask).all(-1) & rows).sum().to(token.dtype)
-        / rows.sum().clamp_min(1),
+        "rollout/logp_diff_mean": _valid_mean(token.abs(), mask, token.dtype),
+        "rollout/mismatch_k3": _valid_mean(k3, mask, token.dtype),
+        "rollout/is_weight_mean": _valid_mean(weights.detach(), mask, token.dtype),
+        "rollout/is_clipped_frac": _valid_mean(outside, mask, token.dtype),
+        "rollout/is_masked_frac": _valid_mean(masked, mask, token.dtype),
+        "rollout/seq_masked_frac": _masked_rows_frac(masked, mask, token.dtype),
     }
+
+
+def _valid_mean(x: Tensor, mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """The mean of ``x`` (as ``dtype``) over the valid tokens of the bool ``mask`` (0 when there are none)."""
+    return torch.where(mask, x.to(dtype), 0.0).sum() / mask.sum().clamp_min(1)
+
+
+def _masked_rows_frac(masked: Tensor, mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """The fraction (as ``dtype``) of the rows with a valid token whose every valid token is ``masked``
+    (0 when no row has a valid token)."""
+    rows = mask.any(-1)
+    return ((masked | ~mask).all(-1) & rows).sum().to(dtype) / rows.sum().clamp_min(1)

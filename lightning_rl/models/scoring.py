@@ -200,6 +200,17 @@ class TokenScorer(nn.Module):
                 return packed_logprobs(model, split_head(model), prompt_ids, prompt_mask, completion_ids,
                                        completion_mask, temperature=temperature, top_k=top_k, top_p=top_p,
                                        with_entropy=with_entropy, chunk=self.logprob_chunk)
+        return self._padded_logprobs(model, context, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                     temperature, top_k, top_p, with_entropy)
+
+    def _padded_logprobs(
+        self, model: nn.Module, context: AbstractContextManager, prompt_ids: Tensor, prompt_mask: Tensor,
+        completion_ids: Tensor, completion_mask: Tensor, temperature: float, top_k: int, top_p: float,
+        with_entropy: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """``token_logprobs`` of padded (not packed) rows, the model run under ``context``: under
+        ``share_prompts`` with a model whose output layer runs apart, only the valid positions go through it
+        (:func:`_valid_position_logprobs`); else from the ``[N, C, V]`` completion logits."""
         split = split_head(model) if self.share_prompts else None
         if split is not None:
             with context:

@@ -25,7 +25,8 @@ from typing import Any, Literal
 
 from lightning_rl import moved_hint, split_import_path
 from lightning_rl.step.unsafe import refuse_unsafe
-from lightning_rl.step.workers import WORKERS, CallTimedOut, ProcessWorker, awaited
+from lightning_rl.step.worker_pool import WORKERS
+from lightning_rl.step.workers import CallTimedOut, ProcessWorker, awaited
 
 RewardFn = Callable[..., Sequence[float]]
 

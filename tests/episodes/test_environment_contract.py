@@ -27,6 +27,7 @@ from lightning_rl.episodes.environments import (
     checked_reset,
     checked_step,
 )
+from lightning_rl.episodes.observations import observation_ids
 from lightning_rl.episodes.runner import EpisodeRunner
 from lightning_rl.episodes.tool_formats import PlainFormat
 from lightning_rl.episodes.tools import Tool
@@ -261,6 +262,5 @@ class Wide:
 def test_the_cut_grows_while_it_holds_fewer_tokens_than_the_room():
     """Tokens longer than the first bound (100 characters each): 5000 characters are 50 tokens and fit in a
     room of 100, so the observation is kept whole, not mistaken for one that passes the budget."""
-    r = EpisodeRunner(None, [], PlainFormat(), Wide())
-    assert r.observation_ids("z" * 5000, room=100) == list(range(50))
-    assert r.observation_ids("z" * 20_000, room=100) is None
+    assert observation_ids(Wide(), "z" * 5000, room=100) == list(range(50))
+    assert observation_ids(Wide(), "z" * 20_000, room=100) is None

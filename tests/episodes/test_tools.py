@@ -33,7 +33,7 @@ from lightning_rl.episodes.tools import (
     load_tools,
 )
 from lightning_rl.models.builtin import build_char_tokenizer
-from lightning_rl.step.workers import WORKERS
+from lightning_rl.step.worker_pool import WORKERS
 from lightning_rl.text.prompts import render_prompts
 
 # A Qwen-like template for the char tokenizer (EOS `<eos>`): assistant turns end with `<eos>\n`, tool

@@ -19,7 +19,7 @@ import torch
 from helpers import gone
 
 from lightning_rl.step import forking
-from lightning_rl.step.workers import WorkerPool
+from lightning_rl.step.worker_pool import WorkerPool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -142,7 +142,7 @@ def test_a_signal_to_the_child_does_not_reach_the_parents_wakeup_descriptor():
 ORPHANS = textwrap.dedent("""
     import os, sys, threading, time
     from lightning_rl.step import forking
-    from lightning_rl.step.workers import WorkerPool
+    from lightning_rl.step.worker_pool import WorkerPool
     pool = WorkerPool()
     box = []
     t = threading.Thread(target=lambda: box.append(pool.acquire(-1)))
