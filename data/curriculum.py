@@ -40,16 +40,15 @@ another world size the shards change: the rates of every row are kept, the pendi
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset
 
+from lightning_rl.episodes.source import Batch, PromptBatches
 from lightning_rl.maths.checks import require
-
-Batch = dict[str, list]
 
 
 @dataclass(frozen=True)
@@ -167,11 +166,11 @@ class PassRates:
         self.pending = {int(s): (list(r), list(p)) for s, (r, p) in state["pending"].items()}
 
 
-class CurriculumDraws(Iterator[Batch]):
+class CurriculumDraws(PromptBatches):
     """One reader's iterator over a :class:`CurriculumStream`: its own pass rates, the rows of the steps it
-    drew and not yet heard of; :meth:`record` gives it a step's outcome."""
+    drew and not yet heard of; :meth:`record` gives it a step's outcome, which its later draws depend on."""
 
-    def __init__(self, stream: CurriculumStream, rates: PassRates) -> None:
+    def __init__(self, stream: CurriculumStream, rates: PassRates) -> None:  # draws: no given batches
         self.stream, self.rates, self.step = stream, rates, stream.start
         self.drawn: dict[int, list[int]] = {}
 

@@ -22,6 +22,7 @@ from lightning_rl.data.curriculum import Curriculum, CurriculumTracker
 from lightning_rl.data.rows import check_rows, load_rows, row_locator
 from lightning_rl.data.sort_task import SortTask
 from lightning_rl.data.validation import ValidationShard
+from lightning_rl.episodes.source import PromptBatches
 from lightning_rl.text.keys import ROW_INDEX_KEY
 
 
@@ -273,14 +274,15 @@ class PromptDataModule(RowsDataModule):
                                                   self.batches_consumed, collate)
         return DataLoader(self.tracker.loader, batch_size=None, num_workers=0)
 
-    def train_batches(self, start: int) -> Iterator[dict[str, list]]:
+    def train_batches(self, start: int) -> PromptBatches:
         """This rank's training batches from batch index ``start`` on, as the train loader yields them
-        (for a sampler that runs ahead of the training steps). With a curriculum, ``start`` is the next step
-        to train, and the iterator's ``record(step, pass_rates)`` takes the outcomes of the steps it drew."""
+        (for a sampler that runs ahead of the training steps). Its ``record(step, pass_rates)`` takes the
+        outcomes of the steps it drew: a curriculum's draws learn from them (``start`` is then the next step
+        to train), the seeded stream's ignore them."""
         if self.tracker is not None:
             return iter(self.tracker.stream(self.train_rows, self.batch_size, *self.rank_and_world(), start,
                                             collate))
-        return iter(self.stream(self.seed, start))
+        return PromptBatches(self.stream(self.seed, start))
 
     def record_outcomes(self, step: int, pass_rates: list[float]) -> dict[str, float]:
         """The pass rate of each prompt of trained step ``step`` (batch order), for the curriculum; returns

@@ -21,7 +21,9 @@ import torch.distributed as dist
 from lightning_rl.algorithms import GRPO
 from lightning_rl.algorithms.options import PolicyOptions, SamplingOptions, UpdateOptions
 from lightning_rl.data import PromptDataModule
+from lightning_rl.maths.covariance_regions import ClipCov, KLCov
 from lightning_rl.maths.objective import Objective
+from lightning_rl.maths.trust_regions import DPPO, Clip
 from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.correction import RolloutCorrection
 from lightning_rl.step.logprobs import score_rollout
@@ -30,11 +32,10 @@ from lightning_rl.step.rollout import Rollout
 
 def logprobs(module: GRPO, rollout: Rollout, scorer=None) -> torch.Tensor:
     """``[N, C]`` log-probs of the rollout's completions under ``scorer`` (default: the policy), scored as
-    the step's log-prob passes score them (sampling temperature, the updater's micro-batches)."""
+    the step's log-prob passes score them (the rollout's temperature, the updater's micro-batches)."""
     scorer = scorer if scorer is not None else module.policy
     joiner = module.policy if scorer is module.policy or getattr(scorer, "shares_weights", False) else None
-    return score_rollout(scorer, rollout, temperature=module.sampling.temperature,
-                         micro_batch_size=module.updater.micro_batch_size,
+    return score_rollout(scorer, rollout, micro_batch_size=module.updater.micro_batch_size,
                          collectives=Collectives(module.trainer), joiner=joiner)
 
 
@@ -72,19 +73,16 @@ def fixed_rollout(module: GRPO) -> Rollout:
     return rollout
 
 
-BASE_OBJECTIVE = {"clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.1}  # the probe's (GRPO's otherwise)
+BASE_OBJECTIVE = {"trust_region": Clip(0.2, 0.28), "kl_coef": 0.1}  # the probe's (GRPO's otherwise)
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "skip",
          "entropy", "kl-cov", "clip-cov", "dppo", "opsm")
 # issue 40's objective options: the batch-statistic selections (entropy quantile, KL-Cov, Clip-Cov) are made
 # over the whole minibatch on every rank before the micro-batches; DPPO and OPSM are per token / per row
 OPTION_MODES = {
     "entropy": dict(aggregation="token-mean", top_entropy_quantile=0.3),
-    "kl-cov": dict(aggregation="token-mean", trust_region="kl_cov", clip_high=0.2, kl_cov_ratio=0.25,
-                   kl_cov_coef=0.5),
-    "clip-cov": dict(aggregation="token-mean", trust_region="clip_cov", clip_cov_ratio=0.2, clip_cov_lb=-0.5,
-                     clip_cov_ub=0.5),
-    "dppo": dict(aggregation="seq-mean-token-mean", trust_region="dppo", clip_high=0.2, dppo_low=0.1,
-                 dppo_high=0.1),
+    "kl-cov": dict(aggregation="token-mean", trust_region=KLCov(ratio=0.25, coef=0.5)),
+    "clip-cov": dict(aggregation="token-mean", trust_region=ClipCov(high=0.28, ratio=0.2, lb=-0.5, ub=0.5)),
+    "dppo": dict(aggregation="seq-mean-token-mean", trust_region=DPPO(low=0.1, high=0.1)),
     "opsm": dict(aggregation="seq-mean-token-mean", off_policy_mask_threshold=0.05),
 }
 

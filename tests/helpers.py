@@ -61,8 +61,7 @@ def logprobs(module, rollout, scorer=None):
 
     scorer = module.policy if scorer is None else scorer
     joiner = module.policy if scorer is module.policy or getattr(scorer, "shares_weights", False) else None
-    return score_rollout(scorer, rollout, temperature=module.sampling.temperature,
-                         micro_batch_size=module.updater.micro_batch_size,
+    return score_rollout(scorer, rollout, micro_batch_size=module.updater.micro_batch_size,
                          collectives=Collectives(module._trainer), joiner=joiner)
 
 

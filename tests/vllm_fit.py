@@ -38,7 +38,7 @@ class Record(RLCallback):
         from lightning_rl.step.logprobs import score_rollout
 
         # the trained weights that were pushed before this rollout (every rank scores: FSDP2 forwards gather)
-        mine = score_rollout(pl_module.policy, rollout, temperature=1.0, micro_batch_size=None,
+        mine = score_rollout(pl_module.policy, rollout, micro_batch_size=None,
                              collectives=Collectives(trainer), joiner=pl_module.policy)
         mask = rollout.loss_mask.bool()
         gap = (rollout.rollout_logp - mine)[mask].abs().max().item()

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from lightning_rl.episodes.sampler import PolicyIO
+from lightning_rl.episodes.source import PromptBatches
 from lightning_rl.models.adapters import named_trainable_parameters
 from lightning_rl.models.sharding import is_sharded
 from lightning_rl.step.engine import RolloutEngine
@@ -25,8 +26,8 @@ class WorkerSpec:
         engine: the module's rollout engine.
         model: the trained transformers model (its trainable parameters' names are what the learner
             publishes; a sharded one cannot be sampled from in the worker).
-        frozen: the frozen models the worker scores where it samples (the reference, a teacher).
-        temperature: the sampling temperature (their log-probs are scored at it).
+        frozen: the frozen models the worker scores where it samples (the reference, a teacher), at each
+            rollout's own temperature.
         micro_batch_size: rows per scoring forward.
         kind: ``model.sampling.worker`` (``auto``, ``process``, ``thread``).
         device: the module's device.
@@ -36,7 +37,6 @@ class WorkerSpec:
     engine: RolloutEngine
     model: torch.nn.Module
     frozen: dict[str, Any]
-    temperature: float
     micro_batch_size: int | None
     kind: str
     device: torch.device
@@ -75,8 +75,9 @@ def start_worker(spec: WorkerSpec, rollouts: Any, trainer: Any) -> None:
         engine = engine.worker_copy()
         io = replace(io, generate=engine.generate, synced=False)
     rollouts.start(io=io, engine=engine, names=list(named_trainable_parameters(spec.model)),
-                   batches=dm.train_batches, refills=getattr(dm, "refill_batches", None),
+                   batches=lambda start: PromptBatches.of(dm.train_batches(start)),
+                   refills=getattr(dm, "refill_batches", None),
                    step=trainer.fit_loop.epoch_loop.batch_progress.total.processed,
                    batch_index=dm.batches_consumed, rank=trainer.global_rank,
                    refills_start=getattr(dm, "refills_consumed", 0), frozen=frozen,
-                   scoring=(spec.temperature, spec.micro_batch_size), thread=thread, device=spec.device)
+                   micro_batch_size=spec.micro_batch_size, thread=thread, device=spec.device)

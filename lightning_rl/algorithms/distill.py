@@ -1,10 +1,10 @@
 """On-policy distillation (Agarwal et al., 2024, GKD; Lu & Thinking Machines, 2025, the Tinker cookbook), on
 the shared step.
 
-The student samples its own completions; a frozen teacher scores those same tokens at the sampling
-temperature (``lightning_rl.step.logprobs.FrozenLogProbs``, this preset's stage); each token's
-advantage is the negative reverse KL ``teacher_logp - student_logp``, optionally summed over later tokens with
-a discount, plus ``reward_weight`` times the task rewards' advantages
+The student samples its own completions; a frozen teacher scores those same tokens at the temperature they
+were sampled at (``Rollout.temperature``; ``lightning_rl.step.logprobs.FrozenLogProbs``, this preset's
+stage); each token's advantage is the negative reverse KL ``teacher_logp - student_logp``, optionally summed
+over later tokens with a discount, plus ``reward_weight`` times the task rewards' advantages
 (``lightning_rl.step.estimators.Distillation``). The update is the step's policy loss (one update per
 rollout: the plain policy gradient of the reverse KL). Sampling, episodes, LoRA, sharding and asynchronous
 sampling are the online step's own.
@@ -58,6 +58,5 @@ class OnPolicyDistillation(OnlineRL):
         """The teacher's log-probs of the sampled tokens (a non-finite one leaves the loss, counted as
         ``distill/teacher_excluded_tokens``)."""
         return [FrozenLogProbs(self.frozen, "teacher", policy=self.policy,
-                               temperature=self.sampling.temperature,
                                micro_batch_size=self.updater.micro_batch_size, time_key="perf/teacher_time",
                                excluded_key="distill/teacher_excluded_tokens")]

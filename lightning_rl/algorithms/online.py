@@ -135,10 +135,10 @@ class OnlineRL(ManualSteps, PolicyModule):
         """The learner's stages before the advantages, in order: the reference's log-probs, the behaviour
         log-probs, non-finite tokens out of the loss, the correction weights, the preset's own stages
         (:meth:`preset_stages`), the KL in the reward."""
-        t, rows = self.sampling.temperature, self.updater.micro_batch_size
-        return [FrozenLogProbs(self.frozen, "reference", policy=self.policy, temperature=t,
-                               micro_batch_size=rows, time_key="perf/reference_time"),
-                BehaviourLogProbs(self.behaviour, engine=self.engine, policy=self.policy, temperature=t,
+        rows = self.updater.micro_batch_size
+        return [FrozenLogProbs(self.frozen, "reference", policy=self.policy, micro_batch_size=rows,
+                               time_key="perf/reference_time"),
+                BehaviourLogProbs(self.behaviour, engine=self.engine, policy=self.policy,
                                   updates_per_rollout=self.updater.updates_per_rollout, micro_batch_size=rows,
                                   read_later=self.reads_behaviour),
                 ExcludeNonfinite(), self.correction, *self.preset_stages(),
@@ -187,21 +187,21 @@ class OnlineRL(ManualSteps, PolicyModule):
     def trained_models(self) -> list[TrainedModel]:
         """What the updater trains: the policy (and the companions, for presets that have them)."""
         return [TrainedModel("policy", self.policy, self.optimizers(), self.policy_loss, ("policy/loss",),
-                             reaches=self.policy_rows, select=self.select_tokens)]
+                             reaches=self.policy_rows, select=self.select_tokens, packed=self.policy.packing)]
 
     def select_tokens(self, minibatch: Rollout, collectives: Collectives, seed: int) -> Rollout:
         """The objective's whole-minibatch token selection (entropy, Clip-Cov, KL-Cov), before the
         micro-batches (``lightning_rl.step.selection``)."""
-        return select_tokens(self.policy, minibatch, self.objective, self.sampling.temperature,
-                             self.updater.micro_rows, collectives, seed)
+        return select_tokens(self.policy, minibatch, self.objective, self.updater.micro_rows, collectives,
+                             seed)
 
     def policy_rows(self, micro: Rollout) -> torch.Tensor:
         return policy_rows(micro, self.objective.kl_coef, self.entropy_coef)
 
     def policy_loss(self, micro: Rollout, num_tokens: torch.Tensor,
                     num_seqs: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        return micro_batch_policy_loss(self.policy, micro, self.objective, self.entropy_coef,
-                                       self.sampling.temperature, num_tokens, num_seqs, self.correction)
+        return micro_batch_policy_loss(self.policy, micro, self.objective, self.entropy_coef, num_tokens,
+                                       num_seqs, self.correction)
 
 
 def behaviour_source(behaviour: str, *, kl_in_reward: bool) -> str:

@@ -72,7 +72,7 @@ class PPO(OnlineRL):
         warm = self.trainer.fit_loop.total_batch_idx < self.critic_options.warmup  # rollouts, not updates
         policy_opt, critic_opt = self.optimizers()
         policy = TrainedModel("policy", self.policy, policy_opt, self.policy_loss, ("policy/loss",),
-                              select=self.select_tokens)
+                              select=self.select_tokens, packed=self.policy.packing)
         if warm:
             policy.optimizer, policy.loss, policy.summed = None, self.frozen_policy_loss, ()
             policy.select = None  # its loss is a zero loss: no selection to make

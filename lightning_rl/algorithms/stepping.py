@@ -107,9 +107,8 @@ class ManualSteps:
         """What the worker sampling ahead is handed (``policy_io`` attaches the engine and builds a
         ``CopyEngine``'s copy before the fork)."""
         return WorkerSpec(io=self.policy_io(), engine=self.engine, model=self.policy.model,
-                          frozen=self.frozen.all(), temperature=self.sampling.temperature,
-                          micro_batch_size=self.updater.micro_batch_size, kind=self.rollouts.worker,
-                          device=self.device)
+                          frozen=self.frozen.all(), micro_batch_size=self.updater.micro_batch_size,
+                          kind=self.rollouts.worker, device=self.device)
 
     def teardown(self, stage: str) -> None:
         self.rollouts.close()  # a worker sampling ahead stops with the run, however it ends

@@ -58,7 +58,7 @@ from torch import nn
 from lightning_rl.episodes.async_link import SamplerLost, WorkerLink
 from lightning_rl.episodes.async_worker import Failed, Sampled, SamplerWorker, WeightSlots, rollout_to
 from lightning_rl.episodes.sampler import PolicyIO
-from lightning_rl.episodes.source import Batch, RolloutSource
+from lightning_rl.episodes.source import Batch, PromptBatches, RolloutSource
 from lightning_rl.models.adapters import named_trainable_parameters
 from lightning_rl.step.rollout import Rollout
 
@@ -107,17 +107,16 @@ class AsyncRollouts:
         e.g. with several ranks). Called by ``lightning_rl.callbacks.CheckpointOnInterrupt``."""
         self.stop_requested, self.stop_now = requested, stop
 
-    def start(self, *, io: PolicyIO, engine: Any, names: list[str], batches: Callable[[int], Iterator[Batch]],
+    def start(self, *, io: PolicyIO, engine: Any, names: list[str], batches: Callable[[int], PromptBatches],
               refills: Callable[[int], Iterator[Batch]] | None, step: int, batch_index: int, rank: int,
-              refills_start: int, frozen: dict[str, Any] | None = None,
-              scoring: tuple[float, int | None] = (1.0, None),
+              refills_start: int, frozen: dict[str, Any] | None = None, micro_batch_size: int | None = None,
               thread: bool = False, device: torch.device | None = None) -> None:
         """Start the worker: a forked process, or a ``thread`` sampling on ``device``. ``engine``: the
         rollout engine (``io.generate`` is its; a thread's has its own weights), which receives each version
         through ``set_weights``; ``names``: the trained parameters' names; ``batches(i)``: the training
-        batches from batch index ``i`` on; ``step``: the trainer step of ``batch_index``; ``frozen``: the
-        frozen models scored in the worker (``{"reference": ..., "teacher": ...}``) at ``scoring`` =
-        (temperature, micro-batch size)."""
+        batches from batch index ``i`` on (their ``record`` hears each step's outcome); ``step``: the trainer
+        step of ``batch_index``; ``frozen``: the frozen models scored in the worker (``{"reference": ...,
+        "teacher": ...}``), ``micro_batch_size`` rows per forward, at each rollout's temperature."""
         if self.running:
             return
         link = WorkerLink(thread, self.timeout, lambda: self.stop_requested())
@@ -126,16 +125,15 @@ class AsyncRollouts:
         first = step + len(self.restored)
         refills_start = self.refills if self.loaded else refills_start
         stream = batches(batch_index)
-        record = getattr(stream, "record", None)  # a curriculum's stream learns from the pass rates
         for item in self.restored:  # sampled before the checkpoint: drawn again, their outcomes heard
             next(stream)
-            if record is not None and item.outcomes is not None:
-                record(item.step, item.outcomes)
+            if item.outcomes is not None:  # by a curriculum's stream, which learns from the pass rates
+                stream.record(item.step, item.outcomes)
         self.refills, self.restored = refills_start, []
         worker = SamplerWorker(self.source, io, engine, self.slots, stream, refills,
                         refills_start, first, step, self.lag, rank, link.sender, link.stop,
-                        None if thread else os.getpid(), self.threads, link.progress, frozen, scoring,
-                        device or torch.device("cpu"), record)
+                        None if thread else os.getpid(), self.threads, link.progress, frozen=frozen,
+                        micro_batch_size=micro_batch_size, device=device or torch.device("cpu"))
         link.start(worker, self.threads)
         self.link = link
         atexit.register(self.close)  # however the learner ends (a signal's exit skips Lightning's teardown)

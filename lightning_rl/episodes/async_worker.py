@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from lightning_rl.episodes.sampler import PolicyIO
-from lightning_rl.episodes.source import Batch, RolloutSource
+from lightning_rl.episodes.source import Batch, PromptBatches, RefillStream, RolloutSource
 from lightning_rl.models.frozen import FrozenModels
 from lightning_rl.models.sharding import full_value
 from lightning_rl.step.collectives import Collectives
@@ -171,7 +171,7 @@ class SamplerWorker:
     io: PolicyIO
     engine: Any
     slots: WeightSlots
-    batches: Iterator[Batch]
+    batches: PromptBatches  # its `record` hears each step's outcome before the next batch is drawn
     refills: Callable[[int], Iterator[Batch]] | None
     refills_start: int
     step: int
@@ -184,9 +184,8 @@ class SamplerWorker:
     threads: int
     progress: Progress
     frozen: dict[str, Any] | None = None  # frozen models scored here: {"reference": ..., "teacher": ...}
-    scoring: tuple[float, int | None] = (1.0, None)  # their temperature and micro-batch size
+    micro_batch_size: int | None = None  # rows per forward when scoring them (at the rollout's temperature)
     device: torch.device = torch.device("cpu")
-    record: Callable[[int, list[float]], Any] | None = None  # a curriculum stream's: the outcomes it drew
 
     def run(self) -> None:
         """The loop, on the worker's own CUDA stream. A process has its threads and signals from
@@ -198,43 +197,17 @@ class SamplerWorker:
             self.loop()
 
     def loop(self) -> None:
-        refill_stream, refilled = None, self.refills_start
-
-        def refill() -> Batch:
-            nonlocal refill_stream, refilled
-            if refill_stream is None:
-                refill_stream = self.refills(refilled)
-            refilled += 1
-            return next(refill_stream)
-
+        """Sample and send each batch's rollout in step order until the batches end, a stop, or a failure
+        (sent to the learner); the progress reports ``stopped`` and the engine closes however it ends."""
+        refills = RefillStream(self.refills, self.refills_start)
         step = self.step
         try:
             for batch in self.batches:
-                version = max(self.start, step - self.lag)
-                self.progress.report(WAITING, step, version)
-                tensors = None if self.stopping() else self.slots.wait(version, self.waiting)
-                if tensors is None:  # stopped (a version already published is no reason to go on)
+                sampled = self.sample(step, batch, refills)
+                if sampled is None:  # stopped (a version already published is no reason to go on)
                     return
-                self.progress.report(LOADING, step, version)
-                loading = time.perf_counter()
-                self.engine.set_weights(version, tensors)  # a vLLM engine loads the version here
-                loaded = time.perf_counter() - loading
-                outcomes: list[list[float]] = []
-                with torch.no_grad():
-                    rollout, stats = self.source(batch, self.reporting_io(step), step=step, rank=self.rank,
-                                                 collectives=Collectives.local(), device=self.device,
-                                                 refill=refill if self.refills is not None else None,
-                                                 report=outcomes.append)
-                if self.record is not None:  # before the next batch is drawn
-                    self.record(step, outcomes[0])
-                stats = {**stats, "perf/sampler_weight_sync_time": loaded}
-                rollout = replace(rollout, versions=torch.full((len(rollout),), version, dtype=torch.long))
-                self.progress.report(FROZEN, step, version)
-                rollout, stats = self.score_frozen(rollout, stats)
-                rollout = rollout_to(rollout, "cpu")  # a thread's stream finishes here: the slot is free
-                self.progress.report(SENDING, step, version)
-                self.send(Sampled(step, version, list(batch["prompt"]), rollout, stats, refilled,
-                                  outcomes[0]))
+                self.progress.report(SENDING, step, sampled.version)
+                self.send(sampled)
                 step += 1
         except BaseException as err:  # noqa: BLE001 (every failure reaches the learner)
             last = traceback.format_exception_only(type(err), err)[-1].strip()
@@ -242,6 +215,33 @@ class SamplerWorker:
         finally:
             self.progress.report(STOPPED, step)
             self.engine.close()
+
+    def sample(self, step: int, batch: Batch, refills: RefillStream) -> Sampled | None:
+        """Step ``step``'s rollout of ``batch``, sampled with weight version ``max(start, step - lag)`` once
+        published, its outcome recorded by the batches' stream, its frozen models scored, on the CPU;
+        ``None`` when stopped while waiting for the weights."""
+        version = max(self.start, step - self.lag)
+        self.progress.report(WAITING, step, version)
+        tensors = None if self.stopping() else self.slots.wait(version, self.waiting)
+        if tensors is None:
+            return None
+        self.progress.report(LOADING, step, version)
+        loading = time.perf_counter()
+        self.engine.set_weights(version, tensors)  # a vLLM engine loads the version here
+        loaded = time.perf_counter() - loading
+        outcomes: list[list[float]] = []
+        with torch.no_grad():
+            rollout, stats = self.source(batch, self.reporting_io(step), step=step, rank=self.rank,
+                                         collectives=Collectives.local(), device=self.device,
+                                         refill=refills if self.refills is not None else None,
+                                         report=outcomes.append)
+        self.batches.record(step, outcomes[0])  # before the next batch is drawn
+        stats = {**stats, "perf/sampler_weight_sync_time": loaded}
+        rollout = replace(rollout, versions=torch.full((len(rollout),), version, dtype=torch.long))
+        self.progress.report(FROZEN, step, version)
+        rollout, stats = self.score_frozen(rollout, stats)
+        rollout = rollout_to(rollout, "cpu")  # a thread's stream finishes here: the slot is free
+        return Sampled(step, version, list(batch["prompt"]), rollout, stats, refills.position, outcomes[0])
 
     def reporting_io(self, step: int) -> PolicyIO:
         """The policy's IO whose ``generate`` reports each call (a round, an episode's turn) and its end:
@@ -263,11 +263,10 @@ class SamplerWorker:
         learner: they do not depend on the trained weights (verl's separate reference worker), and the two
         sides' work is more even. The learner's own stage (``FrozenLogProbs``) scores them, with this
         process's collectives; the learner's stage then finds them scored."""
-        temperature, micro_batch_size = self.scoring
         models = FrozenModels(self.frozen)
         for name in models.all():
-            stage = FrozenLogProbs(models, name, policy=None, temperature=temperature,
-                                   micro_batch_size=micro_batch_size, time_key=f"perf/sampler_{name}_time")
+            stage = FrozenLogProbs(models, name, policy=None, micro_batch_size=self.micro_batch_size,
+                                   time_key=f"perf/sampler_{name}_time")
             rollout, extra = stage(rollout, Collectives.local())
             stats = {**stats, **extra}
         return rollout, stats

@@ -43,7 +43,8 @@ class Sampler:
 
     Args:
         num_generations: samples per prompt row (G); the samples of row ``i`` are rows ``i*G .. i*G+G-1``.
-        sampling: the rollout's sampling parameters.
+        sampling: the rollout's sampling parameters (its record carries their temperature, which the
+            learner's log-prob passes score at).
         rewards: the rewards pipeline, which alone assembles the reward (an episode's returns included);
             an episode whose environment failed (``model.episodes.on_error: zero``) then gets reward 0 and
             is not correct.
@@ -86,7 +87,9 @@ class Sampler:
             gen_time -= stats["perf/env_time"]
         group_ids = torch.arange(len(prompts), device=device).repeat_interleave(G)
         rollout = Rollout.from_generation(gen, group_ids, rewards.to(device), correct.to(device),
-                                          self.mask_truncated, outcome, decoupled)
+                                          temperature=self.sampling.temperature,
+                                          mask_truncated=self.mask_truncated, outcome=outcome,
+                                          decoupled_rewards=decoupled)
         sampled = gen.lengths if gen.model_mask is None else gen.model_mask.sum(-1)
         return rollout, {**stats, "perf/generation_time": gen_time,
                          "perf/generated_tokens": float(sampled.sum())}

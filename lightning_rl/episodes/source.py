@@ -10,7 +10,7 @@ DataModule.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +21,48 @@ from lightning_rl.step.filters import RolloutFilter
 from lightning_rl.step.rollout import Rollout, merge_stats
 
 Batch = dict[str, list]
+
+
+class PromptBatches(Iterator[Batch]):
+    """One rank's training prompt batches, in step order, as a sampler running ahead reads them (a
+    DataModule's ``train_batches(start)``), with :meth:`record`, which hears the outcome of each step drawn.
+
+    This one yields the batches of ``batches`` and ignores the outcomes (its draws depend on none); a stream
+    whose draws do (a curriculum's, ``lightning_rl.data.curriculum.CurriculumDraws``) overrides both.
+    """
+
+    def __init__(self, batches: Iterable[Batch]) -> None:
+        self.batches = iter(batches)
+
+    @classmethod
+    def of(cls, batches: Iterable[Batch]) -> PromptBatches:
+        """``batches`` as a stream with :meth:`record`: itself when it is one, else wrapped (a user
+        DataModule's ``train_batches`` may return any iterable of batches)."""
+        return batches if isinstance(batches, PromptBatches) else cls(batches)
+
+    def __next__(self) -> Batch:
+        return next(self.batches)
+
+    def record(self, step: int, pass_rates: Sequence[float]) -> list[int]:
+        """The pass rate of each prompt of drawn step ``step`` (batch order). Returns the training rows they
+        were recorded for: none here."""
+        return []
+
+
+class RefillStream:
+    """The refill batches (dynamic sampling) a sampler running ahead draws: ``refills(position)``'s, opened
+    on the first draw; ``position`` counts the draws (what a checkpoint records after each rollout)."""
+
+    def __init__(self, refills: Callable[[int], Iterator[Batch]] | None, position: int) -> None:
+        self.refills, self.position = refills, position
+        self.batches: Iterator[Batch] | None = None
+
+    def __call__(self) -> Batch:
+        if self.batches is None:
+            assert self.refills is not None, "no refill stream to draw from"
+            self.batches = self.refills(self.position)
+        self.position += 1
+        return next(self.batches)
 
 
 def pass_rates(rollout: Rollout) -> list[float]:

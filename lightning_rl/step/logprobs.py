@@ -1,8 +1,9 @@
 """The log-prob stages of the RL step: the frozen models' (reference, teacher) and the behaviour log-probs
 of a rollout's sampled tokens, and the critic's values.
 
-Every pass scores at the sampling temperature on the unfiltered distribution (top-k / top-p belong to
-sampling only), reads ``attention_mask`` for the context and runs under ``no_grad`` in micro-batches.
+Every pass scores at the temperature the rollout was sampled at (``Rollout.temperature``: the record's, no
+stage holds a copy) on the unfiltered distribution (top-k / top-p belong to sampling only), reads
+``attention_mask`` for the context and runs under ``no_grad`` in micro-batches.
 Forwards of sharded weights are collectives: every rank agrees on the count before the first forward and
 pads with empty forwards, so no rank's all-reduce meets another rank's weight gather.
 
@@ -38,9 +39,10 @@ BEHAVIOUR_SOURCES = ("auto", "recompute", "from_engine", "on_policy")
 
 
 @torch.no_grad()
-def score_rollout(scorer: Any, rollout: Rollout, *, temperature: float, micro_batch_size: int | None,
-                  collectives: Collectives, joiner: Any = None) -> Tensor:
-    """``[N, C]`` log-probs of the rollout's completion tokens under ``scorer`` (a Policy or reference).
+def score_rollout(scorer: Any, rollout: Rollout, *, micro_batch_size: int | None, collectives: Collectives,
+                  joiner: Any = None) -> Tensor:
+    """``[N, C]`` log-probs of the rollout's completion tokens under ``scorer`` (a Policy or reference), at
+    the temperature they were sampled at (``rollout.temperature``).
 
     ``joiner``: the trained policy when ``scorer``'s forwards run its sharded weights (the policy itself,
     or a reference sharing them): its forward count is agreed over ranks and padded with empty forwards.
@@ -49,7 +51,7 @@ def score_rollout(scorer: Any, rollout: Rollout, *, temperature: float, micro_ba
     parts = list(rollout.minibatches(size))
     total = len(parts) if joiner is None else collectives.agreed_count(joiner.model, len(parts))
     out = [scorer.token_logprobs(p.prompt_ids, p.prompt_mask, p.completion_ids, p.attention_mask,
-                                 temperature=temperature)[0] for p in parts]
+                                 temperature=rollout.temperature)[0] for p in parts]
     for _ in range(total - len(parts)):
         collectives.empty_loss(joiner)
     if not out:
@@ -83,17 +85,16 @@ class BehaviourLogProbs:
         behaviour: ``model.logprobs.behaviour`` (see the module docstring), resolved against ``engine`` at
             every step (the engine attached then decides what is exact).
         engine: the module's rollout engine.
-        policy: the trained policy, which ``recompute`` scores the rollout with.
-        temperature: the sampling temperature the tokens were drawn at.
+        policy: the trained policy, which ``recompute`` scores the rollout with (at its temperature).
         updates_per_rollout: optimiser steps per rollout (``on_policy`` is exact only for one).
         micro_batch_size: rows per forward (``None``: all at once).
         read_later: a later stage reads the sampling policy's log-probs (distillation's advantages): an
             ``on_policy`` step then scores them when the engine did not return them.
     """
 
-    def __init__(self, behaviour: str, *, engine: Any, policy: Any, temperature: float,
-                 updates_per_rollout: int, micro_batch_size: int | None, read_later: bool = False) -> None:
-        self.behaviour, self.engine, self.policy, self.temperature = behaviour, engine, policy, temperature
+    def __init__(self, behaviour: str, *, engine: Any, policy: Any, updates_per_rollout: int,
+                 micro_batch_size: int | None, read_later: bool = False) -> None:
+        self.behaviour, self.engine, self.policy = behaviour, engine, policy
         self.updates_per_rollout, self.micro_batch_size = updates_per_rollout, micro_batch_size
         self.read_later = read_later
 
@@ -107,9 +108,8 @@ class BehaviourLogProbs:
     def __call__(self, rollout: Rollout, collectives: Collectives) -> tuple[Rollout, dict[str, float]]:
         start, source = time.perf_counter(), self.source(rollout)
         if source == "recompute":  # empty rollouts too: their forward counts may be collectives
-            old_logp = score_rollout(self.policy, rollout, temperature=self.temperature,
-                                     micro_batch_size=self.micro_batch_size, collectives=collectives,
-                                     joiner=self.policy)
+            old_logp = score_rollout(self.policy, rollout, micro_batch_size=self.micro_batch_size,
+                                     collectives=collectives, joiner=self.policy)
         else:
             old_logp = rollout.rollout_logp if source == "from_engine" else None
         return replace(rollout, old_logp=old_logp), {"perf/old_logprob_time": time.perf_counter() - start}
@@ -120,37 +120,35 @@ FROZEN_FIELDS = {"reference": "ref_logp", "teacher": "teacher_logp"}  # the roll
 
 class FrozenLogProbs:
     """The stage that scores the sampled tokens under a frozen model (:class:`FrozenModels`): the reference
-    into ``ref_logp``, a distillation teacher into ``teacher_logp``, at the sampling temperature on the
-    unfiltered distribution like every log-prob pass, unless the worker sampling ahead scored them where it
-    sampled. A model that shares the trained weights (a LoRA reference) runs them: its forward count is
-    agreed over ranks like the policy's.
+    into ``ref_logp``, a distillation teacher into ``teacher_logp``, at the rollout's sampling temperature
+    on the unfiltered distribution like every log-prob pass, unless the worker sampling ahead scored them
+    where it sampled. A model that shares the trained weights (a LoRA reference) runs them: its forward
+    count is agreed over ranks like the policy's.
 
     Args:
         models: the module's frozen models; ``name`` is looked up when the stage runs (declared later by a
             preset, or not at all: then the field stays as it is).
         name: ``reference`` or ``teacher``; it fills the rollout field :data:`FROZEN_FIELDS` names.
         policy: the trained policy (the joiner of a model that shares its weights).
-        temperature: the sampling temperature the tokens were drawn at.
         micro_batch_size: rows per forward (``None``: the whole rollout at once).
         time_key: the metric of its time.
         excluded_key: where it counts the tokens it leaves out of the loss for a non-finite log-prob
             (``None``: the learner's common exclusion after the behaviour pass counts them).
     """
 
-    def __init__(self, models: FrozenModels, name: str, *, policy: Any, temperature: float,
-                 micro_batch_size: int | None, time_key: str, excluded_key: str | None = None) -> None:
+    def __init__(self, models: FrozenModels, name: str, *, policy: Any, micro_batch_size: int | None,
+                 time_key: str, excluded_key: str | None = None) -> None:
         self.models, self.name, self.field, self.policy = models, name, FROZEN_FIELDS[name], policy
-        self.temperature, self.micro_batch_size = temperature, micro_batch_size
-        self.time_key, self.excluded_key = time_key, excluded_key
+        self.micro_batch_size, self.time_key, self.excluded_key = micro_batch_size, time_key, excluded_key
 
     def __call__(self, rollout: Rollout, collectives: Collectives) -> tuple[Rollout, dict[str, float]]:
         start = time.perf_counter()
         scores = getattr(rollout, self.field)  # a record field, named by FROZEN_FIELDS
         scorer = self.models.get(self.name)
         if scores is None and scorer is not None:
-            scores = score_rollout(scorer, rollout, temperature=self.temperature,
-                                   micro_batch_size=self.micro_batch_size, collectives=collectives,
-                                   joiner=self.policy if scorer.shares_weights else None)
+            joiner = self.policy if scorer.shares_weights else None
+            scores = score_rollout(scorer, rollout, micro_batch_size=self.micro_batch_size,
+                                   collectives=collectives, joiner=joiner)
         rollout = replace(rollout, **{self.field: scores})
         stats = {self.time_key: time.perf_counter() - start}
         if self.excluded_key is not None:

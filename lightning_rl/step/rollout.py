@@ -58,6 +58,10 @@ class Rollout:
             correctness is read off it). ``None``: ``correct``.
         decoupled_rewards: ``[N]`` float, GDPO's sum of the reward functions' scores each normalised within
             its group (``RewardPipeline.decoupled``), what ``estimators.GDPO`` reads; ``None`` otherwise.
+        temperature: the sampling temperature the completions were drawn at (the sampler's, from the
+            sampling parameters the engine was called with), one for the whole record: every learner-side
+            log-prob pass scores the tokens at it. Rows are only ever concatenated with rows drawn at the
+            same temperature (:meth:`cat`). 1.0 in a record built without one (by hand, in tests).
     """
 
     prompt_ids: Tensor
@@ -83,6 +87,7 @@ class Rollout:
     versions: Tensor | None = None
     outcome: Tensor | None = None
     decoupled_rewards: Tensor | None = None
+    temperature: float = 1.0
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -92,7 +97,8 @@ class Rollout:
         return int(self.group_ids.unique().numel())
 
     def select(self, index: Tensor) -> Rollout:
-        """The rows ``index`` (a long index or bool mask over ``N``) of every tensor field."""
+        """The rows ``index`` (a long index or bool mask over ``N``) of every tensor field (the temperature
+        kept)."""
         return replace(self, **{f.name: _take(getattr(self, f.name), index) for f in fields(self)})
 
     def minibatches(self, size: int, generator: torch.Generator | None = None) -> Iterator[Rollout]:
@@ -119,7 +125,7 @@ class Rollout:
         cut = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is not None and value.dim() == 2:
+            if isinstance(value, Tensor) and value.dim() == 2:
                 cut[f.name] = value[:, first:] if f.name.startswith("prompt_") else value[:, :last]
         return replace(self, **cut)
 
@@ -128,25 +134,30 @@ class Rollout:
         return self.select(torch.arange(0, device=self.completion_ids.device))
 
     @classmethod
-    def from_generation(cls, gen: Generation, group_ids: Tensor, rewards: Tensor, correct: Tensor,
-                        mask_truncated: bool = False, outcome: Tensor | None = None,
+    def from_generation(cls, gen: Generation, group_ids: Tensor, rewards: Tensor, correct: Tensor, *,
+                        temperature: float, mask_truncated: bool = False, outcome: Tensor | None = None,
                         decoupled_rewards: Tensor | None = None) -> Rollout:
-        """A rollout of ``gen``: the loss counts every sampled token (not observation tokens of episodes, not
-        truncated rows' when ``mask_truncated``)."""
+        """A rollout of ``gen``, drawn at ``temperature`` (the sampling parameters' the engine was called
+        with): the loss counts every sampled token (not observation tokens of episodes, not truncated rows'
+        when ``mask_truncated``)."""
         loss_mask = gen.completion_mask if gen.model_mask is None else gen.model_mask
         if mask_truncated:
             loss_mask = loss_mask * (~gen.truncated).long()[:, None]
         return cls(gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask, loss_mask,
                    gen.truncated, gen.lengths, group_ids, rewards, correct, rollout_logp=gen.rollout_logp,
-                   model_mask=gen.model_mask, outcome=outcome, decoupled_rewards=decoupled_rewards)
+                   model_mask=gen.model_mask, outcome=outcome, decoupled_rewards=decoupled_rewards,
+                   temperature=temperature)
 
     @staticmethod
     def cat(parts: list[Rollout]) -> Rollout:
-        """Concatenate rollouts row-wise, padding prompts on the left and completions on the right."""
+        """Concatenate rollouts row-wise, padding prompts on the left and completions on the right. Rows drawn
+        at different temperatures have no one temperature to be scored at: a ``ValueError`` naming them."""
         if len(parts) == 1:
             return parts[0]
-        out = {}
+        out: dict[str, Tensor | float | None] = {"temperature": same_temperature(parts)}
         for f in fields(Rollout):
+            if f.name in out:
+                continue
             values = [getattr(p, f.name) for p in parts]
             if values[0] is None:
                 out[f.name] = None
@@ -159,8 +170,18 @@ class Rollout:
         return Rollout(**out)
 
 
-def _take(value: Tensor | None, index: Tensor) -> Tensor | None:
-    return None if value is None else value[index]
+def same_temperature(parts: list[Rollout]) -> float:
+    """The one temperature ``parts`` were drawn at; a ``ValueError`` naming each when they differ."""
+    temperatures = sorted({p.temperature for p in parts})
+    if len(temperatures) > 1:
+        raise ValueError(f"cannot concatenate rollouts sampled at different temperatures {temperatures}: "
+                         "their tokens would be scored at one temperature, which is not every row's")
+    return temperatures[0]
+
+
+def _take(value: Tensor | float | None, index: Tensor) -> Tensor | float | None:
+    """``value``'s rows ``index``; a field that is no tensor (``None``, the temperature) is the record's."""
+    return value[index] if isinstance(value, Tensor) else value
 
 
 def _pad(values: list[Tensor], left: bool) -> list[Tensor]:

@@ -29,7 +29,7 @@ class SelectedRows(Rollout):
         return TokenSelection(self.high_entropy, self.selected)
 
 
-def select_tokens(policy: Any, minibatch: Rollout, objective: Any, temperature: float,
+def select_tokens(policy: Any, minibatch: Rollout, objective: Any,
                   micro_rows: Callable[[Rollout], list[Tensor]], collectives: Collectives,
                   seed: int) -> Rollout:
     """The minibatch with ``objective``'s token selection (:class:`SelectedRows`), or as it is when the
@@ -50,9 +50,9 @@ def select_tokens(policy: Any, minibatch: Rollout, objective: Any, temperature: 
     """
     if not objective.selects_tokens:
         return minibatch
-    logp, entropy = score_with_entropy(policy, minibatch, temperature, micro_rows, collectives)
+    logp, entropy = score_with_entropy(policy, minibatch, micro_rows, collectives)
     keys = None
-    if objective.trust_region == "clip_cov":
+    if objective.trust_region.random_keys:
         keys = token_keys(minibatch.prompt_ids, minibatch.prompt_mask, minibatch.completion_ids,
                           minibatch.attention_mask, seed)
     selection = objective.select(logp, minibatch.old_logp, minibatch.advantages, minibatch.loss_mask, entropy,
@@ -63,12 +63,11 @@ def select_tokens(policy: Any, minibatch: Rollout, objective: Any, temperature: 
 
 
 @torch.no_grad()
-def score_with_entropy(policy: Any, rows: Rollout, temperature: float,
-                       micro_rows: Callable[[Rollout], list[Tensor]],
+def score_with_entropy(policy: Any, rows: Rollout, micro_rows: Callable[[Rollout], list[Tensor]],
                        collectives: Collectives) -> tuple[Tensor, Tensor]:
-    """``[N, C]`` float32 log-probs and entropies of ``rows``' completion tokens under ``policy``, in the
-    micro-batches ``micro_rows`` gives (the updater's); as many forwards on every rank when they are
-    collectives (sharded weights)."""
+    """``[N, C]`` float32 log-probs and entropies of ``rows``' completion tokens under ``policy``, at the
+    temperature they were sampled at (``rows.temperature``), in the micro-batches ``micro_rows`` gives (the
+    updater's); as many forwards on every rank when they are collectives (sharded weights)."""
     logp = torch.zeros(rows.attention_mask.shape, device=rows.attention_mask.device)
     entropy = torch.zeros_like(logp)
     parts = micro_rows(rows) if len(rows) else []
@@ -78,7 +77,7 @@ def score_with_entropy(policy: Any, rows: Rollout, temperature: float,
         micro = rows.select(index).trimmed()
         part, part_entropy = policy.token_logprobs(micro.prompt_ids, micro.prompt_mask, micro.completion_ids,
                                                    micro.attention_mask, with_entropy=True,
-                                                   temperature=temperature)
+                                                   temperature=micro.temperature)
         logp[index, :part.shape[1]], entropy[index, :part.shape[1]] = part.float(), part_entropy.float()
     for _ in range(total - len(parts)):
         collectives.empty_loss(policy)

@@ -47,6 +47,9 @@ class TrainedModel:
         select: ``(minibatch, collectives, seed) -> minibatch``: a stage run on every rank before the
             micro-batches of each minibatch, that attaches the loss's whole-minibatch token selection
             (:func:`lightning_rl.step.selection.select_tokens`); ``None``: none.
+        packed: its loss scores a micro-batch's rows packed into one sequence where they pack
+            (``model.update.packing``: the policy's ``packing``); ``perf/pad_frac`` is 0 when every trained
+            model does.
     """
 
     name: str
@@ -57,6 +60,7 @@ class TrainedModel:
     counts_as_step: bool = True
     reaches: Callable[[Rollout], Tensor] | None = None
     select: Callable[[Rollout, Collectives, int], Rollout] | None = None
+    packed: bool = False
 
 
 
@@ -206,8 +210,7 @@ def token_bins(prompt_mask: Tensor, attention_mask: Tensor, budget: int, max_row
 def pad_fraction(micro: Rollout, trained: list[TrainedModel]) -> Tensor:
     """The share of a training micro-batch's positions (prompt + completion) that are padding: none when
     every trained model scores it packed (``update.packing``)."""
-    if all(getattr(t.module, "packing", False) for t in trained) and packable(micro.prompt_mask,
-                                                                             micro.attention_mask):
+    if all(t.packed for t in trained) and packable(micro.prompt_mask, micro.attention_mask):
         return torch.zeros(())
     total = micro.prompt_ids.numel() + micro.completion_ids.numel()
     real = micro.prompt_mask.sum() + micro.attention_mask.sum()
@@ -231,15 +234,17 @@ def policy_rows(micro: Rollout, kl_coef: float, entropy_coef: float) -> Tensor:
 
 
 def micro_batch_policy_loss(policy: Any, micro: Rollout, objective: Any, entropy_coef: float,
-                            temperature: float, num_tokens: Tensor, num_seqs: Tensor,
+                            num_tokens: Tensor, num_seqs: Tensor,
                             correction: Any = None) -> tuple[Tensor, dict[str, Any]]:
     """The policy's loss on a micro-batch: the objective (normalised by the minibatch's global counts)
     minus ``entropy_coef`` x the entropy, aggregated like the loss; ``policy/entropy`` is always logged.
-    Log-probs are scored at the sampling ``temperature``; on-policy rows (``old_logp`` None) use the current
-    log-probs, detached, and when the engine's log-probs differ from them (``rollout_logp``: another copy of
-    the weights) ``correction`` weighs each token here, as it would after a separate behaviour pass."""
+    Log-probs are scored at the temperature the rows were sampled at (``micro.temperature``); on-policy rows
+    (``old_logp`` None) use the current log-probs, detached, and when the engine's log-probs differ from them
+    (``rollout_logp``: another copy of the weights) ``correction`` weighs each token here, as it would after a
+    separate behaviour pass."""
     logp, entropy = policy.token_logprobs(micro.prompt_ids, micro.prompt_mask, micro.completion_ids,
-                                          micro.attention_mask, with_entropy=True, temperature=temperature)
+                                          micro.attention_mask, with_entropy=True,
+                                          temperature=micro.temperature)
     old_logp = micro.old_logp if micro.old_logp is not None else logp.detach()
     weights, mismatch = micro.is_weights, {}
     if micro.old_logp is None and micro.rollout_logp is not None and correction is not None:

@@ -20,6 +20,7 @@ from lightning_rl.algorithms import DAPO, GRPO
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.data import PromptDataModule
 from lightning_rl.maths.advantages import dapo_group_keep
+from lightning_rl.maths.trust_regions import Clip
 from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.estimators import GroupNormalized
 from lightning_rl.step.logprobs import score_rollout
@@ -65,10 +66,9 @@ def spy_generations(module) -> list[tuple[dict, Rollout]]:
 
 def logprobs(module, rollout, scorer=None) -> torch.Tensor:
     """``[N, C]`` log-probs of the rollout's tokens under ``scorer`` (default: the policy), as the step's
-    log-prob passes score them (the sampling temperature, the updater's micro-batches)."""
+    log-prob passes score them (the rollout's temperature, the updater's micro-batches)."""
     scorer = module.policy if scorer is None else scorer
-    return score_rollout(scorer, rollout, temperature=module.sampling.temperature,
-                         micro_batch_size=module.updater.micro_batch_size,
+    return score_rollout(scorer, rollout, micro_batch_size=module.updater.micro_batch_size,
                          collectives=Collectives(module.trainer),
                          joiner=module.policy if scorer is module.policy else None)
 
@@ -125,7 +125,7 @@ def test_ppo_epochs_and_minibatches_reuse_one_behaviour_snapshot(tmp_path, monke
     clip = 0.01
     # every row in the update (no skipping): each optimiser step sees its whole minibatch of 8
     module = make(GRPO, update={"epochs": 2, "num_minibatches": 2, "skip_zero_rows": False},
-                  objective={"kl_coef": 0.0, "clip_low": clip, "clip_high": clip},
+                  objective={"kl_coef": 0.0, "trust_region": Clip(clip, clip)},
                   optimizer=partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.0))
     behaviour_passes = spy_policy_scoring(monkeypatch, module)
     check, steps = UpdateCheck(module, clip), OptimizerSteps()

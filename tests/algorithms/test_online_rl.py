@@ -24,6 +24,7 @@ from lightning_rl.data import PromptDataModule
 from lightning_rl.maths.advantages import dapo_group_keep
 from lightning_rl.maths.aggregation import normalizer_counts
 from lightning_rl.maths.penalties import overlong_penalty
+from lightning_rl.maths.trust_regions import Clip
 from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.logprobs import resolve_behaviour, score_rollout
 from lightning_rl.step.reward_scorer import RewardError
@@ -91,11 +92,10 @@ def sample(module, batch) -> Rollout:
 
 def logprobs(module, rollout, scorer=None) -> torch.Tensor:
     """``[N, C]`` log-probs of the rollout's tokens under ``scorer`` (default: the policy), as the step's
-    log-prob passes score them (the sampling temperature, the updater's micro-batches)."""
+    log-prob passes score them (the rollout's temperature, the updater's micro-batches)."""
     scorer = module.policy if scorer is None else scorer
     joiner = module.policy if scorer is module.policy or getattr(scorer, "shares_weights", False) else None
-    return score_rollout(scorer, rollout, temperature=module.sampling.temperature,
-                         micro_batch_size=module.updater.micro_batch_size,
+    return score_rollout(scorer, rollout, micro_batch_size=module.updater.micro_batch_size,
                          collectives=Collectives(module.trainer), joiner=joiner)
 
 
@@ -175,7 +175,7 @@ def update_grads(module, rollout, micro_batch_size, aggregation) -> dict[str, to
 
 @pytest.mark.slow
 def test_gradient_does_not_depend_on_micro_batch_size(tmp_path):
-    module = make(OnlineRL, objective={"clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.1},
+    module = make(OnlineRL, objective={"trust_region": Clip(0.2, 0.28), "kl_coef": 0.1},
                   update={"max_grad_norm": None}, optimizer=partial(torch.optim.SGD, lr=0.0))
 
     def experiment(trainer, module):
@@ -539,7 +539,7 @@ def test_prompt_too_long_only_with_bos_fails_before_training(tmp_path):
     (GRPO, {"update": {"num_minibatches": 0}}, "model.update.num_minibatches"),
     (GRPO, {"rewards": {"on_error": "ignore"}}, "model.rewards.on_error"),
     (GRPO, {"objective": {"aggregation": "sum"}}, "model.objective.aggregation"),
-    (SAPO, {"objective": {"clip_ratio_c": 3.0}}, "model.objective.clip_ratio_c"),
+    (SAPO, {"objective": {"kl_clamp": 0.0}}, "model.objective.kl_clamp"),
     (GRPO, {"policy": {"model": "builtin:nope"}}, "model.policy.model"),
 ])
 def test_config_errors_name_the_key(cls, kw, key):

@@ -9,8 +9,10 @@ import datasets
 import pytest
 
 from lightning_rl.data import PromptDataModule
+from lightning_rl.data.curriculum import Curriculum, CurriculumDraws
 from lightning_rl.data.prompts import PromptStream, collate
 from lightning_rl.data.rows import check_rows
+from lightning_rl.episodes.source import PromptBatches
 
 ROWS = [{"question": f"{i}{i + 1}{i + 2}=", "solution": f"q{i}", "difficulty": i % 3} for i in range(10)]
 
@@ -188,6 +190,26 @@ def test_stream_is_deterministic_per_seed_and_covers_each_epoch():
     # unshuffled: plain order, wrapping every epoch
     assert take(stream(shuffle=False), 4) == [["p0", "p1", "p2"], ["p3", "p4", "p5"], ["p6", "p7", "p8"],
                                               ["p0", "p1", "p2"]]
+
+
+def test_every_training_stream_hears_outcomes_and_the_seeded_one_ignores_them(tmp_path):
+    """A sampler running ahead tells the stream it reads each step's outcome (``record``): every stream
+    ``train_batches`` returns has it (``PromptBatches``); the seeded stream's does nothing, so its batches
+    are those of a stream told nothing, while a curriculum's draws learn from them."""
+    dm = make_dm(write(tmp_path, "jsonl"))
+    heard, plain = dm.train_batches(0), dm.train_batches(0)
+    assert isinstance(heard, PromptBatches) and issubclass(CurriculumDraws, PromptBatches)
+    assert next(heard) == next(plain)
+    assert heard.record(0, [1.0, 0.0]) == []
+    assert [next(heard) for _ in range(6)] == [next(plain) for _ in range(6)]
+    curriculum = make_dm(write(tmp_path, "csv"), curriculum=Curriculum()).train_batches(0)
+    assert isinstance(curriculum, CurriculumDraws)
+    # a user DataModule's plain iterable of batches is wrapped (it hears outcomes and ignores them); a
+    # stream that is already one is kept as it is
+    wrapped = PromptBatches.of(iter([{"prompt": ["a"]}, {"prompt": ["b"]}]))
+    assert wrapped.record(0, [0.5]) == [] and [next(wrapped), next(wrapped)] == [{"prompt": ["a"]},
+                                                                                  {"prompt": ["b"]}]
+    assert PromptBatches.of(curriculum) is curriculum
 
 
 @pytest.mark.parametrize("start", [1, 3, 5])

@@ -123,7 +123,7 @@ def test_masks_every_aggregation_counts_model_tokens_only():
     gen = out.generation
     n = len(out.episodes)
     correct = torch.zeros(n, dtype=torch.bool)
-    rollout = Rollout.from_generation(gen, torch.arange(n) // 2, out.returns, correct)
+    rollout = Rollout.from_generation(gen, torch.arange(n) // 2, out.returns, correct, temperature=1.0)
     assert torch.equal(rollout.loss_mask, gen.model_mask) and torch.equal(rollout.attention_mask,
                                                                          gen.completion_mask)
     assert rollout.loss_mask.sum(-1).tolist() == [3 + 5, 3 + 5, 3, 3]  # "ab"+EOS, "cde!"+EOS

@@ -100,7 +100,7 @@ def test_a_non_finite_teacher_logprob_leaves_the_loss_and_is_counted():
 
     frozen = FrozenModels()
     frozen.add("teacher", NaNTeacher())
-    stage = FrozenLogProbs(frozen, "teacher", policy=None, temperature=1.0,
+    stage = FrozenLogProbs(frozen, "teacher", policy=None,
                            micro_batch_size=None, time_key="perf/teacher_time",
                            excluded_key="distill/teacher_excluded_tokens")
     rollout, stats = stage(_rollout([0.0, 0.0], old_logp=STUDENT), Collectives.local())

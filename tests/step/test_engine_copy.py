@@ -161,7 +161,8 @@ def test_gradient_with_the_correction_does_not_depend_on_micro_batch_size(tmp_pa
 
         g = torch.Generator().manual_seed(1)
         rollout = Rollout.from_generation(gen, torch.arange(3).repeat_interleave(4),
-                                          torch.rand(12, generator=g), torch.zeros(12, dtype=torch.bool))
+                                          torch.rand(12, generator=g), torch.zeros(12, dtype=torch.bool),
+                                          temperature=1.0)
         rollout.advantages = torch.randn(12, generator=g)
         rollout.old_logp = logprobs(module, rollout)
         rollout.rollout_logp = rollout.old_logp + 0.3 * torch.randn(rollout.old_logp.shape, generator=g) \
@@ -190,7 +191,7 @@ def test_the_correction_in_the_loss_equals_a_behaviour_pass_and_the_stage(tmp_pa
     gen = module.policy.generate(ids, mask, num_samples=4, max_new_tokens=8)
     g = torch.Generator().manual_seed(1)
     rollout = Rollout.from_generation(gen, torch.arange(3).repeat_interleave(4), torch.rand(12, generator=g),
-                                      torch.zeros(12, dtype=torch.bool))
+                                      torch.zeros(12, dtype=torch.bool), temperature=1.0)
     rollout.advantages = torch.randn(12, generator=g)
     current = logprobs(module, rollout)
     rollout.rollout_logp = current + 0.3 * torch.randn(current.shape, generator=g) * rollout.attention_mask

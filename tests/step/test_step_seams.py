@@ -95,7 +95,7 @@ def _rollout(module) -> Rollout:
     n = len(gen.completion_ids)
     g = torch.Generator().manual_seed(1)
     rollout = Rollout.from_generation(gen, torch.arange(2).repeat_interleave(2), torch.rand(n, generator=g),
-                                      torch.zeros(n, dtype=torch.bool))
+                                      torch.zeros(n, dtype=torch.bool), temperature=1.0)
     rollout.advantages = torch.randn(n, generator=g)
     return rollout
 
@@ -125,7 +125,6 @@ def test_excluding_a_middle_token_keeps_the_other_tokens_context_and_update(tmp_
     logp, _ = module.policy.token_logprobs(clean.prompt_ids, clean.prompt_mask, clean.completion_ids,
                                            rollout.attention_mask, temperature=1.0)
     loss, _ = policy_loss(logp, clean.old_logp, None, clean.advantages, clean.loss_mask,
-                          trust_region_args={"clip_low": 0.2, "clip_high": 0.2},
                           aggregation=module.objective.aggregation)
     loss.backward()
     for n, p in module.policy.named_parameters():
