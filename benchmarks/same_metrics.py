@@ -1,7 +1,7 @@
 """Every non-timing metric of the shipped configs over their first steps, before and after a change: the
 check a refactor promises ("kept exactly").
 
-    .venv/bin/python benchmarks/same_metrics.py REF [--steps 10] [--configs grpo ppo ... grpo+async]
+    .venv/bin/python benchmarks/same_metrics.py REF [--steps 10] [--configs grpo ppo ... grpo+objectives/dppo]
 
 Checks ``REF`` (a commit) out in a temporary worktree, runs ``lightning-rl fit`` on each config there and in
 this checkout (``--trainer.max_steps``, validation every ``steps // 2`` steps on one batch, no checkpoint),
@@ -63,8 +63,8 @@ def main() -> None:
         for config in args.configs:
             runs = []
             for side, repo in (("old", old), ("new", ROOT)):
-                (work / f"{side}-{config}").mkdir()
-                runs.append(run(repo, config, work / f"{side}-{config}", args.steps))
+                (work / f"{side}-{config.replace('/', '_')}").mkdir()
+                runs.append(run(repo, config, work / f"{side}-{config.replace('/', '_')}", args.steps))
             before, after = runs
             timing = [k for k in {*before, *after} if k.startswith("perf/") or "time" in k]
             both = sorted(k for k in before if k in after and k not in timing)

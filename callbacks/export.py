@@ -35,17 +35,19 @@ class ExportPolicy(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         path = self.target(trainer)
-        policy = getattr(pl_module, "policy", None)
-        if policy is not None and gathers_for_export(policy.model):
-            merged = getattr(pl_module, "export_merged", False) and is_peft_model(policy.model)
+        policy = pl_module.policy  # the trained network: a policy, or a reward model's network
+        merged = getattr(pl_module, "export_merged", False) and is_peft_model(policy.model)
+        if gathers_for_export(policy.model):
             state_dict = full_state_dict(policy.model)  # every rank joins the gathers
             if trainer.is_global_zero:
                 save_full_pretrained(policy, path, state_dict, merged=merged)
+        elif trainer.is_global_zero and merged:
+            policy.save_pretrained(path, merged=True)
         elif trainer.is_global_zero:
-            pl_module.save_pretrained(path)
+            policy.save_pretrained(path)
         rank_zero_info(f"policy saved to {path}")
         # other trained models (PPO's critic) go to sibling folders named by the module
-        extras = pl_module.extra_exports() if hasattr(pl_module, "extra_exports") else {}
+        extras = pl_module.extra_exports()
         for name, holder in extras.items():
             sibling = os.path.join(os.path.dirname(os.path.abspath(path)), name)
             state_dict = full_state_dict(holder.model) if gathers_for_export(holder.model) else None

@@ -174,6 +174,6 @@ class LogSamples(RLCallback):
         rewards = pl_module.evaluator.sample_rewards(
             prompts, completions, list(outputs["lengths"][:k]), columns,
             None if returns is None else list(returns[:k]), None if failed is None else list(failed[:k]))
-        table = markdown_table(pl_module.shown_prompts(prompts), completions, rewards,
+        table = markdown_table(pl_module.codec.shown(prompts), completions, rewards,
                                list(outputs["correct"][:k]), self.max_chars, columns.get("turns"))
         self.write(trainer, "samples/val", table)

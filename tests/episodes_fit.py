@@ -59,12 +59,13 @@ class Record(RLCallback):
 
     def on_rollout_end(self, trainer, pl_module, rollout):
         self.turns.append(model_turns(rollout.model_mask))
-        if rollout.teacher_logp is None:
+        teacher = rollout.frozen_logp.get("teacher")
+        if teacher is None:
             return
         loss = rollout.loss_mask.bool()
         observation = rollout.attention_mask.bool() & ~loss
         student = rollout.old_logp if rollout.old_logp is not None else rollout.rollout_logp
-        gap = student - rollout.teacher_logp
+        gap = student - teacher
         self.distill.append({
             "gap_sum": float(gap[loss].sum()), "count": int(loss.sum()),
             "advantage_error": float((rollout.advantages + gap)[loss].abs().max()) if loss.any() else 0.0,

@@ -48,10 +48,10 @@ class NormRecorder(StepMetrics):
 
 
 def record_norms(module) -> NormRecorder:
-    """Swap the module's step metrics for a recording one (``ManualSteps.step_metrics`` reads __dict__)."""
-    if not isinstance(module.__dict__.get("_step_metrics"), NormRecorder):
-        module.__dict__["_step_metrics"] = NormRecorder()
-    return module.__dict__["_step_metrics"]
+    """Swap the module's step metrics for a recording one."""
+    if not isinstance(module.step_metrics, NormRecorder):
+        module.step_metrics = NormRecorder()
+    return module.step_metrics
 
 
 class Probe(GRPO):

@@ -93,8 +93,7 @@ class DPO(ReferenceScoring, PolicyModule):
     def reference_policy(self) -> Any:
         return self.reference
 
-    def check_prompt_lengths(self) -> None:
-        """No-op: DPO cuts long prompts on the left (and counts them) instead of refusing them."""
+    refuses_long_prompts = False  # DPO cuts long prompts on the left (and counts them) instead
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
@@ -114,9 +113,9 @@ class DPO(ReferenceScoring, PolicyModule):
             list(batch["prompt"]),
             list(batch["chosen"]),
             list(batch["rejected"]),
-            max_prompt_length=self.max_prompt_length,
+            max_prompt_length=self.codec.max_prompt_length,
             max_completion_length=self.max_completion_length,
-            chat_template=self.chat_template,
+            chat_template=self.codec.chat_template,
         )
         return enc.to(self.device)
 
@@ -228,9 +227,9 @@ class DPO(ReferenceScoring, PolicyModule):
     def _greedy_accuracy(self, batch: dict[str, list], enc: EncodedPairs, weight: float) -> None:
         """``val/accuracy``: greedy completions of the (truncated) prompts scored by ``accuracy_fn``."""
         n = len(batch["prompt"])
-        gen = self.generate_tokens(enc.prompt_ids[:n], enc.prompt_mask[:n],
-                                   sampling=self.sampling_params(do_sample=False))
-        completions = self.decode(gen.completion_ids, gen.completion_mask)
+        gen = self.completer.generate_tokens(enc.prompt_ids[:n], enc.prompt_mask[:n],
+                                             sampling=self.sampling_params(do_sample=False))
+        completions = self.codec.decode(gen.completion_ids, gen.completion_mask)
         scores = self.evaluator.correct(batch["prompt"], completions, batch_columns(batch))
         self.log_val_mean("val/accuracy", torch.tensor([float(x) for x in scores]).mean(), weight)
 

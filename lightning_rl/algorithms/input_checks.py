@@ -4,6 +4,8 @@ They run in ``PolicyModule.on_fit_start``, after the DataModule has loaded its r
 or training step, so a run that cannot work stops at once, with one line naming the YAML keys and the data,
 instead of failing inside a library at its first step (or, for ``lr: 0``, training for nothing).
 
+* :func:`check_prompt_lengths`: every train / held-out prompt fits ``model.policy.max_prompt_length``, as the
+  module's prompt codec encodes it (the file line of the first that does not is named).
 * :func:`check_scoring_columns`: every function that is called with the data's columns (reward functions,
   ``correctness_fn``, ``accuracy_fn``) must accept the columns the rows have: ``exact_match`` needs
   ``answer``. Checked against each function's signature, without calling it.
@@ -104,6 +106,24 @@ def data_source(datamodule: Any, split: str) -> str:
         return datamodule.val_source()
     path = getattr(datamodule, "path", None)
     return f"`data.path`={path}" if path else "the built-in task"
+
+
+def check_prompt_lengths(codec: Any, datamodule: Any) -> None:
+    """Fail before the first step if any train / val prompt of ``datamodule`` exceeds the ``codec``'s
+    ``max_prompt_length`` (a :class:`~lightning_rl.models.prompt_codec.PromptCodec`), naming the file line (or
+    row index) of the first one."""
+    from lightning_rl.data.rows import row_locator
+
+    sources = {"train": getattr(datamodule, "path", None), "val": getattr(datamodule, "val_path", None)}
+    for split, source in sources.items():
+        rows = getattr(datamodule, f"{split}_rows", None) or []
+        for start in range(0, len(rows), 1024):
+            chunk = [r["prompt"] for r in rows[start : start + 1024]]
+            for i, n in enumerate(codec.lengths(chunk)):
+                if n > codec.max_prompt_length:
+                    where = row_locator(source)(start + i) + (f" of {source}" if source else "")
+                    raise InputError(f"{split} prompt at {where} is {n} tokens, longer than "
+                                     f"`model.policy.max_prompt_length`={codec.max_prompt_length}")
 
 
 def check_scoring_columns(module: Any, datamodule: Any) -> None:

@@ -8,18 +8,29 @@ group (``algorithms.assembly``), returns a new rollout and its numbers, which th
 into this module or the DataModule, and callbacks only observe (``RLCallback``). Current, behaviour and
 reference log-probs are scored on the tempered, unfiltered distribution (top-k / top-p belong to sampling
 only), so they share one support.
+
+Manual optimisation: the updater decides what to accumulate and when to step, and the module hands it
+:class:`~lightning_rl.algorithms.optimiser_steps.OptimiserSteps` (the strategy's gradient sync, clipping and
+stepping) for the policy and any companion (a model trained beside it with its own optimiser, such as PPO's
+value model). What its checkpoints carry beyond the base's is its ``CheckpointState``'s (the adaptive KL,
+the rollouts sampled ahead).
 """
 
 from __future__ import annotations
 
 import time
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_rl.algorithms import assembly
+from lightning_rl.algorithms.ahead import WorkerSpec, start_worker
 from lightning_rl.algorithms.base import PolicyModule
+from lightning_rl.algorithms.checkpoint_state import CheckpointState
+from lightning_rl.algorithms.optimiser_steps import OptimiserSteps
 from lightning_rl.algorithms.options import (
     EpisodeOptions,
     FilterOptions,
@@ -32,21 +43,23 @@ from lightning_rl.algorithms.options import (
     ValidationOptions,
 )
 from lightning_rl.algorithms.presets import ONLINE_MOVED_KEYS
-from lightning_rl.algorithms.stepping import ManualSteps
 from lightning_rl.episodes.sampler import Sampler
 from lightning_rl.models.frozen import FrozenModels
+from lightning_rl.models.sharding import prompt_sharing
 from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.correction import RolloutCorrection
 from lightning_rl.step.engine import RolloutEngine
 from lightning_rl.step.estimators import AdvantageEstimator
+from lightning_rl.step.filters import DynamicSampling
 from lightning_rl.step.learner import Learner, Stage
 from lightning_rl.step.logprobs import BehaviourLogProbs, ExcludeNonfinite, FrozenLogProbs, resolve_behaviour
-from lightning_rl.step.rollout import Rollout, merge_stats
+from lightning_rl.step.metrics import StepMetrics
+from lightning_rl.step.rollout import Rollout, merge_stats, rollout_stats
 from lightning_rl.step.selection import select_tokens
-from lightning_rl.step.update import TrainedModel, micro_batch_policy_loss, policy_rows
+from lightning_rl.step.update import TrainedModel, UpdateHooks, micro_batch_policy_loss, policy_rows
 
 
-class OnlineRL(ManualSteps, PolicyModule):
+class OnlineRL(PolicyModule):
     """Online RL on prompts with verifiable or model-scored rewards (GRPO family; PPO adds a value model).
 
     Each argument is one group of options (``lightning_rl.algorithms.options``), a nested mapping in YAML
@@ -83,17 +96,18 @@ class OnlineRL(ManualSteps, PolicyModule):
                          optimizer, lr_scheduler)
         self.automatic_optimization = False
         self.num_generations = sampling.num_generations
-        self.share_prompt_prefix = sampling.share_prompt_prefix
+        self.share_prompt_prefix = self.compact_sampling = sampling.share_prompt_prefix
         self.sampling = self.sampling_params(sampling.temperature, sampling.top_p, sampling.top_k)
         self.advantage = assembly.advantage_stage(advantage, sampling.num_generations)
         self.entropy_coef = objective.entropy_coef
-        self.episodes, self.prompt_tools = assembly.episode_stage(
-            episodes, tokenizer=self.tokenizer, chat=self.chat_template, max_new_tokens=self.max_new_tokens,
-            max_prompt_length=self.max_prompt_length, context=self.policy.context_length)
+        self.episodes, self.codec.tools = assembly.episode_stage(
+            episodes, tokenizer=self.tokenizer, chat=self.codec.chat_template,
+            max_new_tokens=self.max_new_tokens, max_prompt_length=self.codec.max_prompt_length,
+            context=self.policy.context_length)
         budget = self.episodes.max_episode_tokens if self.episodes is not None else self.max_new_tokens
         self.objective, self.kl_reward = assembly.objective_stages(objective, default_length=budget)
         stages = assembly.reward_stages(rewards, environment_only=episodes.environment is not None,
-                                        budget=budget, render=self.render_for_reward_model,
+                                        budget=budget, render=self.codec.render_for_reward_model,
                                         trust_remote_code=policy.trust_remote_code,
                                         decouple_eps=self.advantage.decouple_eps)
         self.reward_pipeline, self.correctness_fn = stages.pipeline, stages.correctness_fn
@@ -111,6 +125,7 @@ class OnlineRL(ManualSteps, PolicyModule):
         if self.needs_reference:
             self.frozen.declare("reference", self.policy.reference)
         self._learner: Learner | None = None
+        self.step_metrics = StepMetrics()  # the step's numbers, logged at its end
 
     def set_behaviour(self, logprobs: LogProbOptions, *, ahead: bool) -> None:
         """Where the behaviour log-probs come from (checked against the engine now, so a wrong choice fails
@@ -154,6 +169,57 @@ class OnlineRL(ManualSteps, PolicyModule):
         out of checkpoints and optimisers."""
         return self.frozen.get("reference")
 
+    # ---- Lightning hooks: fit, the worker, checkpoints, clipping ---------------------------------------
+    def deepspeed_defaults(self) -> dict[str, Any]:
+        """Under DeepSpeed the engine clips (after unscaling, on its partitions): ``max_grad_norm`` goes
+        there."""
+        return {**super().deepspeed_defaults(), "gradient_clipping": self.updater.max_grad_norm or 0.0}
+
+    def on_fit_start(self) -> None:
+        """The base's checks, then: no dropout (log-probs must match what sampling saw), prompt sharing and
+        packing settled, the frozen models scored like the policy, the reward model on this device."""
+        super().on_fit_start()
+        self.policy.disable_dropout()
+        self.policy.share_prompts = prompt_sharing(self.share_prompt_prefix, self.policy.model)
+        self.frozen.score_like(self.policy, self.policy.share_prompts, self.device)  # reference, teacher
+        if self.policy.packing:
+            self.policy.check_packing()  # every rank at once, before the first step
+        if self.reward_pipeline.reward_model is not None:
+            self.reward_pipeline.reward_model.to(self.device)
+        filters = getattr(self.rollouts, "source", self.rollouts).filters
+        if any(isinstance(f, DynamicSampling) for f in filters):
+            rank_zero_info("dynamic sampling keeps the groups whose samples' outcomes differ; the outcome: "
+                           f"{self.reward_pipeline.outcome_name()}")
+
+    def on_train_start(self) -> None:
+        super().on_train_start()  # after a resumed checkpoint's weights and RNG: the worker starts from them
+        if self.rollouts.max_staleness:
+            start_worker(self.worker_spec(), self.rollouts, self.trainer)
+
+    def worker_spec(self) -> WorkerSpec:
+        """What the worker sampling ahead is handed (``completer.io()`` attaches the engine and builds a
+        ``CopyEngine``'s copy before the fork)."""
+        return WorkerSpec(io=self.completer.io(), engine=self.engine, model=self.policy.model,
+                          frozen=self.frozen.all(), micro_batch_size=self.updater.micro_batch_size,
+                          kind=self.rollouts.worker, device=self.device)
+
+    def teardown(self, stage: str) -> None:
+        self.rollouts.close()  # a worker sampling ahead stops with the run, however it ends
+        super().teardown(stage)
+
+    def checkpoint_state(self) -> CheckpointState:
+        """The base's, with the adaptive KL coefficient and the rollouts sampled ahead."""
+        return CheckpointState(self.policy.model, self.kl_reward, self.rollouts)
+
+    def optimiser_steps(self) -> OptimiserSteps:
+        return OptimiserSteps(self, self.step_metrics, self.updater.max_grad_norm, self.companions())
+
+    def update_hooks(self) -> UpdateHooks:
+        return self.optimiser_steps().hooks()
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.optimiser_steps().clip(optimizer)
+
     # ---- the step ---------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, list], batch_idx: int) -> None:
         start, collectives = time.perf_counter(), Collectives(self.trainer)
@@ -161,12 +227,12 @@ class OnlineRL(ManualSteps, PolicyModule):
         if self.rollouts.max_staleness:  # to the worker sampling ahead, as version `step`; the module's own
             self.rollouts.publish(step, self.policy.model)  # engine serves validation (synced there)
         else:  # after the optimiser steps of the previous step
-            self.attach_engine().sync_weights(self.policy, version=self.trainer.global_step)
+            self.completer.sync()
         sync_time = time.perf_counter() - start
         data, pools = self.trainer.datamodule, {}
         record = getattr(data, "record_outcomes", None)  # a curriculum learns from the prompts' pass rates
         report = None if record is None else lambda rates: pools.update(record(step, rates))
-        rollout, stats = self.rollouts(batch, self.policy_io(), step=step, rank=self.global_rank,
+        rollout, stats = self.rollouts(batch, self.completer.io(), step=step, rank=self.global_rank,
                                        collectives=collectives, device=self.device,
                                        refill=getattr(data, "refill_batch", None), report=report)
         stats = {**stats, **pools}
@@ -202,6 +268,26 @@ class OnlineRL(ManualSteps, PolicyModule):
                     num_seqs: torch.Tensor) -> tuple[torch.Tensor, dict]:
         return micro_batch_policy_loss(self.policy, micro, self.objective, self.entropy_coef, num_tokens,
                                        num_seqs, self.correction)
+
+    # ---- observing: stages return numbers, this module logs them, callbacks read them ----------
+    def observe(self, rollout: Rollout) -> None:
+        if len(rollout):
+            for name, (value, weight) in rollout_stats(rollout).items():
+                self.step_metrics.add(self.device, {name: value}, weight)
+        for cb in self.rl_callbacks():
+            cb.on_rollout_end(self.trainer, self, rollout)
+
+    def end_step(self, stats: dict[str, float]) -> None:
+        self.step_metrics.add_stats(self.device, stats)
+        self.step_metrics.log(self.device, lambda name, value: self.log(
+            name, value, on_step=True, on_epoch=False, batch_size=1, prog_bar=name == "rollout/reward_mean"))
+        for cb in self.rl_callbacks():
+            cb.on_step_end(self.trainer, self, MappingProxyType(stats))
+
+    def rl_callbacks(self) -> list:
+        from lightning_rl.callbacks.base import RLCallback
+
+        return [cb for cb in self.trainer.callbacks if isinstance(cb, RLCallback)]
 
 
 def behaviour_source(behaviour: str, *, kl_in_reward: bool) -> str:

@@ -16,7 +16,7 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from lightning_rl.algorithms.trained import TrainedModule, has_callback
+from lightning_rl.algorithms.trained import TrainedModule
 from lightning_rl.maths.preference_losses import reward_model_loss
 from lightning_rl.models.model_utils import disable_dropout as zero_dropout
 from lightning_rl.models.model_utils import enable_gradient_checkpointing
@@ -135,6 +135,7 @@ class RewardModel(TrainedModule):
         """``TrainedModule``'s, with the export writing ``<log_dir>/reward_model`` (unless the trainer already
         has an ``ExportRewardModel``, e.g. one with its own ``dirpath``)."""
         from lightning_rl.callbacks import ExportPolicy
+        from lightning_rl.callbacks.defaults import has_callback
 
         export = [] if has_callback(self.trainer, ExportRewardModel) else [ExportRewardModel()]
         callbacks = super().configure_callbacks()

@@ -51,7 +51,7 @@ class SFT(PolicyModule):
     def training_step(self, batch: dict[str, list], batch_idx: int) -> torch.Tensor:
         if "answer" not in batch:  # data that did not come from a PromptDataModule
             raise ValueError(missing_answers(getattr(self.trainer, "datamodule", None)))
-        prompt_ids, prompt_mask = self.encode_prompts(batch["prompt"])
+        prompt_ids, prompt_mask = self.codec.encode(batch["prompt"])
         target_ids, target_mask, cut = self.encode_targets([str(a) for a in batch["answer"]])
         logp, _ = self.policy.token_logprobs(prompt_ids, prompt_mask, target_ids, target_mask)
         loss = -aggregate(logp, target_mask, "token-mean")

@@ -115,8 +115,8 @@ class AsyncRollouts:
         rollout engine (``io.generate`` is its; a thread's has its own weights), which receives each version
         through ``set_weights``; ``names``: the trained parameters' names; ``batches(i)``: the training
         batches from batch index ``i`` on (their ``record`` hears each step's outcome); ``step``: the trainer
-        step of ``batch_index``; ``frozen``: the frozen models scored in the worker (``{"reference": ...,
-        "teacher": ...}``), ``micro_batch_size`` rows per forward, at each rollout's temperature."""
+        step of ``batch_index``; ``frozen``: the frozen models scored in the worker, by name (the reference,
+        a preset's own), ``micro_batch_size`` rows per forward, at each rollout's temperature."""
         if self.running:
             return
         link = WorkerLink(thread, self.timeout, lambda: self.stop_requested())
@@ -240,5 +240,10 @@ def as_state(item: Sampled) -> dict[str, Any]:
 
 
 def from_state(state: dict[str, Any]) -> Sampled:
-    return Sampled(state["step"], state["version"], state["prompts"], Rollout(**state["rollout"]),
-                   state["stats"], state["refills"], state.get("outcomes"))
+    """A sampled-ahead rollout of a checkpoint. A field an older record had and this one has not (a frozen
+    model's log-probs before ``Rollout.frozen_logp``) is left out: the learner's stage scores what is
+    missing."""
+    names = {f.name for f in fields(Rollout)}
+    rollout = Rollout(**{name: value for name, value in state["rollout"].items() if name in names})
+    return Sampled(state["step"], state["version"], state["prompts"], rollout, state["stats"],
+                   state["refills"], state.get("outcomes"))

@@ -155,12 +155,12 @@ class WeightSlots:
 
 
 def rollout_to(rollout: Rollout, device: torch.device | str) -> Rollout:
-    """``rollout`` with every tensor on ``device``."""
-    moved = {f.name: getattr(rollout, f.name) for f in fields(Rollout)}
-    return replace(rollout, **{name: value.to(device) for name, value in moved.items()
-                               if isinstance(value, Tensor) and value.device != torch.device(device)})
-
-
+    """``rollout`` with every tensor on ``device``, each frozen model's log-probs included."""
+    fields_now = {f.name: getattr(rollout, f.name) for f in fields(Rollout)}
+    moved = {name: value.to(device) for name, value in fields_now.items()
+             if isinstance(value, Tensor) and value.device != torch.device(device)}
+    frozen = {name: value.to(device) for name, value in rollout.frozen_logp.items()}
+    return replace(rollout, frozen_logp=frozen, **moved)
 
 
 @dataclass
@@ -183,7 +183,7 @@ class SamplerWorker:
     parent: int | None  # a process's parent pid; None: a thread
     threads: int
     progress: Progress
-    frozen: dict[str, Any] | None = None  # frozen models scored here: {"reference": ..., "teacher": ...}
+    frozen: dict[str, Any] | None = None  # frozen models scored here, by name: the reference, a preset's
     micro_batch_size: int | None = None  # rows per forward when scoring them (at the rollout's temperature)
     device: torch.device = torch.device("cpu")
 
@@ -259,7 +259,7 @@ class SamplerWorker:
 
     @torch.no_grad()
     def score_frozen(self, rollout: Rollout, stats: dict[str, float]) -> tuple[Rollout, dict[str, float]]:
-        """The frozen models' log-probs (the reference's, a distillation teacher's), here rather than on the
+        """Every frozen model's log-probs (the reference's, a preset's own), here rather than on the
         learner: they do not depend on the trained weights (verl's separate reference worker), and the two
         sides' work is more even. The learner's own stage (``FrozenLogProbs``) scores them, with this
         process's collectives; the learner's stage then finds them scored."""

@@ -9,9 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+REFERENCE = "reference"  # the KL term's: its log-probs are the rollout's `ref_logp`, the others' by name
+
 
 class FrozenModels:
-    """Frozen scorers by name (``reference``, ``teacher``): each a
+    """Frozen scorers by name (:data:`REFERENCE`, a preset's own such as distillation's ``teacher``): each a
     :class:`~lightning_rl.models.scoring.ReferencePolicy`, built by its ``build`` on first use."""
 
     def __init__(self, built: dict[str, Any] | None = None) -> None:
@@ -54,3 +56,11 @@ class FrozenModels:
         """Move the models built so far to ``device``."""
         for model in self._built.values():
             model.to(device)
+
+    def score_like(self, policy: Any, share_prompts: bool, device: Any) -> None:
+        """Build every declared model and score with it as ``policy`` does (prompt sharing, log-prob chunk,
+        packing), on ``device``."""
+        for frozen in self.all().values():
+            frozen.share_prompts, frozen.logprob_chunk = share_prompts, policy.logprob_chunk
+            frozen.packing = policy.packing
+            frozen.to(device)

@@ -272,3 +272,23 @@ def load_policy(
         return policy
 
     return load_pretrained(model, load, key=key)
+
+
+def with_adapters(policy: Policy, peft: Any, export_merged: bool = False) -> Policy:
+    """``policy`` with ``peft`` adapters (``model.policy.peft``; ``None``: as it is), every base weight
+    frozen, its trainable share logged; wrapped before any reference is built, which is then this model with
+    adapters disabled. ``export_merged`` without adapters only warns."""
+    from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+    from lightning_rl.models.adapters import is_peft_model, parameter_counts, wrap_model
+    from lightning_rl.models.policy import Policy  # here: policy.py may import this module
+
+    if peft is not None:
+        policy = Policy(wrap_model(policy.model, peft), policy.tokenizer)
+    if is_peft_model(policy.model):  # from `peft`, or a PeftModel built by the user
+        trainable, total = parameter_counts(policy)
+        rank_zero_info(f"PEFT: training {trainable:,} of {total:,} parameters ({trainable / total:.2%})")
+    elif export_merged:
+        rank_zero_warn("`model.policy.export_merged` has no effect without adapters (`model.policy.peft`): "
+                       "the policy folder holds the full weights anyway")
+    return policy

@@ -5,15 +5,20 @@ Lightning's strategy needs ``data_parallel_size`` x ``tensor_parallel_size`` = w
 FSDP2 shards over every rank, so here ``data_parallel_size`` defaults to world size / tensor parallel
 size: ``--config configs/strategy/fsdp2.yaml --trainer.devices 8 [--trainer.num_nodes 2]`` needs no
 number, only tensor parallelism does.
+
+:func:`fill_deepspeed_config` gives Lightning's ``DeepSpeedStrategy`` the config keys a module decides.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Literal
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_rl.models.sharding import strategy_is
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -60,3 +65,18 @@ class FSDP2Strategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         self._data_parallel_size, self._tensor_parallel_size = self.mesh_sizes()
         super().setup_environment()
+
+
+def fill_deepspeed_config(strategy: Any, defaults: dict[str, Any]) -> None:
+    """Set the keys of ``defaults`` that a DeepSpeed strategy's config leaves out (nothing for other
+    strategies). Runs before the strategy formats its config. A key the user's config sets wins (a warning
+    says so when it differs, except ``train_micro_batch_size_per_gpu``, which only DeepSpeed's throughput
+    logs read: without it Lightning reads the train loader's batch sampler, which streamed loaders lack)."""
+    config = getattr(strategy, "config", None)
+    if not strategy_is(strategy, ("DeepSpeedStrategy",)) or not isinstance(config, dict):
+        return
+    for key, value in defaults.items():
+        if key in config and config[key] != value and key != "train_micro_batch_size_per_gpu":
+            rank_zero_warn(f"the DeepSpeed config sets `{key}: {config[key]}`, used instead of {value} "
+                           "from the model's settings")
+        config.setdefault(key, value)

@@ -19,7 +19,6 @@ import torch
 from torch import Tensor
 
 from lightning_rl.maths.advantages import (
-    distillation_advantages,
     explained_variance,
     gae_advantages,
     group_advantages,
@@ -211,46 +210,3 @@ class KLInReward:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.value = state["value"]
-
-
-class Distillation(AdvantageEstimator):
-    """On-policy distillation's advantages (``lightning_rl.algorithms.OnPolicyDistillation``): per token, the
-    negative reverse KL to the teacher on the student's own samples (``distillation_advantages``), plus
-    ``reward_weight`` times the task estimator's advantages (OPD + RL).
-
-    The student's log-probs are the behaviour log-probs (``old_logp``), or the engine's (``rollout_logp``)
-    when the step has none (a worker sampling ahead: the policy that drew the tokens). Logs
-    ``distill/reverse_kl``: the mean per-token ``student_logp - teacher_logp`` over every rank's valid tokens
-    (one all-reduce, on every rank), the sampled estimate of KL(student || teacher) per token.
-
-    Args:
-        coef, discount: the reverse-KL term's weight and its discount over later tokens.
-        reward_weight: the task advantages' weight (0: none, and G may be 1).
-        task: the task rewards' estimator (group z-score by default).
-    """
-
-    def __init__(self, coef: float = 1.0, discount: float = 0.0, reward_weight: float = 0.0,
-                 task: AdvantageEstimator | None = None) -> None:
-        self.coef, self.discount, self.reward_weight = coef, discount, reward_weight
-        self.task = task if task is not None else GroupNormalized()
-        self.min_group_size = self.task.min_group_size if reward_weight > 0 else 1
-
-    def estimate(self, rollout: Rollout, collectives: Collectives) -> Estimate:
-        mask = rollout.loss_mask
-        student = rollout.old_logp if rollout.old_logp is not None else rollout.rollout_logp
-        if rollout.teacher_logp is None or (student is None and len(rollout)):
-            raise ValueError("distillation needs the teacher's and the student's log-probs of the rollout "
-                             "(`teacher_logp`; `old_logp` or the engine's `rollout_logp`)")
-        if student is None:  # no rows on this rank
-            student = rollout.teacher_logp
-        advantages = distillation_advantages(rollout.teacher_logp, student, mask, self.coef, self.discount)
-        gap = torch.where(mask.bool(), student.float() - rollout.teacher_logp.float(), 0.0)
-        sums = collectives.sum(torch.stack([gap.sum().double(), mask.sum().double()]))
-        stats = {"distill/reverse_kl": float(sums[0] / sums[1].clamp_min(1))}
-        if self.reward_weight > 0:
-            fields, task_stats = self.task.estimate(rollout, collectives)
-            task = fields["advantages"]
-            task = task[:, None] if task.dim() == 1 else task
-            advantages = advantages + self.reward_weight * task.float() * mask
-            stats.update(task_stats)
-        return {"advantages": advantages}, stats

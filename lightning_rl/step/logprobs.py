@@ -1,5 +1,5 @@
-"""The log-prob stages of the RL step: the frozen models' (reference, teacher) and the behaviour log-probs
-of a rollout's sampled tokens, and the critic's values.
+"""The log-prob stages of the RL step: the frozen models' (the reference, a preset's own) and the behaviour
+log-probs of a rollout's sampled tokens, and the critic's values.
 
 Every pass scores at the temperature the rollout was sampled at (``Rollout.temperature``: the record's, no
 stage holds a copy) on the unfiltered distribution (top-k / top-p belong to sampling only), reads
@@ -88,7 +88,7 @@ class BehaviourLogProbs:
         policy: the trained policy, which ``recompute`` scores the rollout with (at its temperature).
         updates_per_rollout: optimiser steps per rollout (``on_policy`` is exact only for one).
         micro_batch_size: rows per forward (``None``: all at once).
-        read_later: a later stage reads the sampling policy's log-probs (distillation's advantages): an
+        read_later: a later stage reads the sampling policy's log-probs (a preset's advantages): an
             ``on_policy`` step then scores them when the engine did not return them.
     """
 
@@ -115,20 +115,17 @@ class BehaviourLogProbs:
         return replace(rollout, old_logp=old_logp), {"perf/old_logprob_time": time.perf_counter() - start}
 
 
-FROZEN_FIELDS = {"reference": "ref_logp", "teacher": "teacher_logp"}  # the rollout field each model fills
-
-
 class FrozenLogProbs:
     """The stage that scores the sampled tokens under a frozen model (:class:`FrozenModels`): the reference
-    into ``ref_logp``, a distillation teacher into ``teacher_logp``, at the rollout's sampling temperature
-    on the unfiltered distribution like every log-prob pass, unless the worker sampling ahead scored them
-    where it sampled. A model that shares the trained weights (a LoRA reference) runs them: its forward
-    count is agreed over ranks like the policy's.
+    into ``ref_logp``, any other into ``frozen_logp`` under its name (:meth:`Rollout.with_frozen_scores`), at
+    the rollout's sampling temperature on the unfiltered distribution like every log-prob pass, unless the
+    worker sampling ahead scored them where it sampled. A model that shares the trained weights (a LoRA
+    reference) runs them: its forward count is agreed over ranks like the policy's.
 
     Args:
         models: the module's frozen models; ``name`` is looked up when the stage runs (declared later by a
-            preset, or not at all: then the field stays as it is).
-        name: ``reference`` or ``teacher``; it fills the rollout field :data:`FROZEN_FIELDS` names.
+            preset, or not at all: then the record stays as it is).
+        name: the model's name in ``models`` (``reference``, or a preset's own).
         policy: the trained policy (the joiner of a model that shares its weights).
         micro_batch_size: rows per forward (``None``: the whole rollout at once).
         time_key: the metric of its time.
@@ -138,18 +135,18 @@ class FrozenLogProbs:
 
     def __init__(self, models: FrozenModels, name: str, *, policy: Any, micro_batch_size: int | None,
                  time_key: str, excluded_key: str | None = None) -> None:
-        self.models, self.name, self.field, self.policy = models, name, FROZEN_FIELDS[name], policy
+        self.models, self.name, self.policy = models, name, policy
         self.micro_batch_size, self.time_key, self.excluded_key = micro_batch_size, time_key, excluded_key
 
     def __call__(self, rollout: Rollout, collectives: Collectives) -> tuple[Rollout, dict[str, float]]:
         start = time.perf_counter()
-        scores = getattr(rollout, self.field)  # a record field, named by FROZEN_FIELDS
+        scores = rollout.frozen_scores(self.name)
         scorer = self.models.get(self.name)
         if scores is None and scorer is not None:
             joiner = self.policy if scorer.shares_weights else None
             scores = score_rollout(scorer, rollout, micro_batch_size=self.micro_batch_size,
                                    collectives=collectives, joiner=joiner)
-        rollout = replace(rollout, **{self.field: scores})
+        rollout = rollout.with_frozen_scores(self.name, scores)
         stats = {self.time_key: time.perf_counter() - start}
         if self.excluded_key is not None:
             rollout, stats[self.excluded_key] = exclude_nonfinite(rollout)
@@ -157,8 +154,8 @@ class FrozenLogProbs:
 
 
 class ExcludeNonfinite:
-    """The stage that leaves out of the loss every token whose behaviour or reference log-prob is not finite
-    (``rollout/excluded_tokens``)."""
+    """The stage that leaves out of the loss every token whose behaviour log-prob, or a frozen model's scored
+    so far, is not finite (``rollout/excluded_tokens``; ``lightning_rl.step.rollout.exclude_nonfinite``)."""
 
     def __call__(self, rollout: Rollout, collectives: Collectives) -> tuple[Rollout, dict[str, float]]:
         rollout, excluded = exclude_nonfinite(rollout)

@@ -18,9 +18,16 @@ from typing import Any
 import torch
 from torchmetrics import MaxMetric, MeanMetric
 
-# the step statistics that are logged
-STEP_STAT_PREFIXES = ("perf/", "rollout/", "critic/", "policy/", "distill/", "curriculum/")
+# the step's statistics that are counts for its own sums, not metrics: never logged
 NOT_LOGGED = ("perf/generated_tokens",)
+
+
+def is_step_metric(name: str) -> bool:
+    """Whether the step statistic ``name`` is logged: a ``group/name`` metric (the step's ``perf/``,
+    ``rollout/``, ``policy/``, ``critic/``, a preset stage's own group, a DataModule's ``curriculum/``), not
+    one of the counts the step keeps for its own sums (:data:`NOT_LOGGED`) or a name without a group."""
+    group, _, metric = name.partition("/")
+    return bool(group) and bool(metric) and name not in NOT_LOGGED
 
 
 class StepMetrics:
@@ -51,8 +58,7 @@ class StepMetrics:
 
     def add_stats(self, device: torch.device, stats: Mapping[str, float]) -> None:
         """The step's statistics (one value each) whose names are logged."""
-        self.add(device, {k: v for k, v in stats.items()
-                          if k.startswith(STEP_STAT_PREFIXES) and k not in NOT_LOGGED})
+        self.add(device, {k: v for k, v in stats.items() if is_step_metric(k)})
 
     def log(self, device: torch.device, log: Callable[[str, torch.Tensor], None]) -> dict[str, float]:
         """Reduce every known metric over ranks, ``log`` each, reset; returns what was logged."""

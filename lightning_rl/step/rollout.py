@@ -7,10 +7,11 @@ explicitly). ``N`` = prompts x G, ``P`` = padded prompt length, ``C`` = padded c
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from lightning_rl.models.frozen import REFERENCE
 from lightning_rl.models.generation import Generation
 
 Tensor = torch.Tensor
@@ -28,8 +29,8 @@ class Rollout:
             tokens up to and including the first EOS (and, in episodes, environment tokens). Every scoring
             forward reads this mask, and only this one.
         loss_mask: ``[N, C]`` 0/1, 1 on the tokens the loss counts: a subset of ``attention_mask``
-            (truncated rows under ``mask_truncated``, tokens with non-finite behaviour or reference
-            log-probs and environment tokens are 0 here but stay in the context). Aggregation, counts and
+            (truncated rows under ``mask_truncated``, tokens with a non-finite behaviour or frozen model's
+            log-prob and environment tokens are 0 here but stay in the context). Aggregation, counts and
             advantages read this mask, and only this one.
         truncated: ``[N]`` bool, no EOS within the token budget.
         lengths: ``[N]`` long, sampled completion lengths (EOS included), whatever the loss mask says.
@@ -41,7 +42,9 @@ class Rollout:
         old_logp: ``[N, C]`` behaviour-policy log-probs, or ``None`` on-policy (one update per rollout from
             the trained module: the ratio is 1 and the current log-probs, detached, stand in).
         ref_logp: ``[N, C]`` reference log-probs, or ``None`` when no KL term is on.
-        teacher_logp: ``[N, C]`` a distillation teacher's log-probs of the sampled tokens, else ``None``.
+        frozen_logp: ``{name: [N, C]}`` the log-probs of the sampled tokens under each other frozen model a
+            preset scores (``lightning_rl.models.frozen.FrozenModels``), by its name; reshaped, moved,
+            concatenated and checked for non-finite values like the tensor fields. Empty: none scored.
         rollout_logp: ``[N, C]`` the engine's log-probs of the sampled tokens, when it returns them.
         is_weights: ``[N, C]`` off-policy correction weights (``lightning_rl.step.correction``), or ``None``.
         token_rewards: ``[N, C]`` per-token rewards (the score on the last token minus a KL-in-reward
@@ -77,7 +80,7 @@ class Rollout:
     advantages: Tensor | None = None
     old_logp: Tensor | None = None
     ref_logp: Tensor | None = None
-    teacher_logp: Tensor | None = None
+    frozen_logp: dict[str, Tensor] = field(default_factory=dict)
     rollout_logp: Tensor | None = None
     token_rewards: Tensor | None = None
     is_weights: Tensor | None = None
@@ -97,9 +100,23 @@ class Rollout:
         return int(self.group_ids.unique().numel())
 
     def select(self, index: Tensor) -> Rollout:
-        """The rows ``index`` (a long index or bool mask over ``N``) of every tensor field (the temperature
-        kept)."""
+        """The rows ``index`` (a long index or bool mask over ``N``) of every tensor field, each frozen
+        model's log-probs included (the temperature kept)."""
         return replace(self, **{f.name: _take(getattr(self, f.name), index) for f in fields(self)})
+
+    def frozen_scores(self, name: str) -> Tensor | None:
+        """Frozen model ``name``'s log-probs of the sampled tokens: ``ref_logp`` for the reference, else
+        ``frozen_logp[name]``; ``None`` when not scored."""
+        return self.ref_logp if name == REFERENCE else self.frozen_logp.get(name)
+
+    def with_frozen_scores(self, name: str, scores: Tensor | None) -> Rollout:
+        """A new record with frozen model ``name``'s log-probs ``scores`` (into ``ref_logp`` for the
+        reference, else ``frozen_logp``; ``None`` leaves another model's unscored)."""
+        if name == REFERENCE:
+            return replace(self, ref_logp=scores)
+        if scores is None:
+            return replace(self, frozen_logp={k: v for k, v in self.frozen_logp.items() if k != name})
+        return replace(self, frozen_logp={**self.frozen_logp, name: scores})
 
     def minibatches(self, size: int, generator: torch.Generator | None = None) -> Iterator[Rollout]:
         """Disjoint minibatches of ``size`` rows covering the rollout, shuffled when ``generator``
@@ -122,7 +139,8 @@ class Rollout:
         last = int(used[-1]) + 1 if len(used) else 0
         if first == 0 and last == self.attention_mask.shape[1]:
             return self
-        cut = {}
+        cut: dict[str, Tensor | dict[str, Tensor]] = {
+            "frozen_logp": {name: t[:, :last] for name, t in self.frozen_logp.items()}}
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, Tensor) and value.dim() == 2:
@@ -154,7 +172,8 @@ class Rollout:
         at different temperatures have no one temperature to be scored at: a ``ValueError`` naming them."""
         if len(parts) == 1:
             return parts[0]
-        out: dict[str, Tensor | float | None] = {"temperature": same_temperature(parts)}
+        out: dict[str, Tensor | dict[str, Tensor] | float | None] = {
+            "temperature": same_temperature(parts), "frozen_logp": cat_frozen(parts)}
         for f in fields(Rollout):
             if f.name in out:
                 continue
@@ -179,8 +198,22 @@ def same_temperature(parts: list[Rollout]) -> float:
     return temperatures[0]
 
 
-def _take(value: Tensor | float | None, index: Tensor) -> Tensor | float | None:
-    """``value``'s rows ``index``; a field that is no tensor (``None``, the temperature) is the record's."""
+def cat_frozen(parts: list[Rollout]) -> dict[str, Tensor]:
+    """Each frozen model's log-probs of ``parts``, concatenated row-wise; a ``ValueError`` naming the models
+    when the parts were not scored by the same ones."""
+    names = sorted({tuple(sorted(p.frozen_logp)) for p in parts})
+    if len(names) > 1:
+        raise ValueError(f"cannot concatenate rollouts scored by different frozen models {names}: some rows "
+                         "would have no log-probs of a model the others have")
+    return {name: torch.cat(_pad([p.frozen_logp[name] for p in parts], left=False), 0) for name in names[0]}
+
+
+def _take(value: Tensor | dict[str, Tensor] | float | None,
+          index: Tensor) -> Tensor | dict[str, Tensor] | float | None:
+    """``value``'s rows ``index`` (each model's, for the frozen models' log-probs); a field that is no tensor
+    (``None``, the temperature) is the record's."""
+    if isinstance(value, dict):
+        return {name: t[index] for name, t in value.items()}
     return value[index] if isinstance(value, Tensor) else value
 
 
@@ -206,23 +239,26 @@ def merge_stats(stats: Mapping[str, float], extra: Mapping[str, float]) -> dict[
 
 
 def exclude_nonfinite(rollout: Rollout) -> tuple[Rollout, float]:
-    """Leave out of the loss any token whose behaviour, reference or teacher log-prob is not finite.
+    """Leave out of the loss any token whose behaviour log-prob or a frozen model's (the reference's and every
+    one in ``frozen_logp``) is not finite.
 
     Only ``loss_mask`` changes: the token stays in the context (``attention_mask``), so the other tokens
-    of its row are scored against the same context as their behaviour and reference log-probs were.
+    of its row are scored against the same context as their behaviour and frozen log-probs were.
     Returns the rollout (a new record when anything was excluded) and the number of excluded tokens.
     """
     valid = rollout.loss_mask.bool()
     keep = valid
-    scored = {name: getattr(rollout, name) for name in ("old_logp", "ref_logp", "teacher_logp")}
-    for logp in scored.values():
-        if logp is not None:
-            keep = keep & torch.isfinite(logp)
+    scored = [t for t in (rollout.old_logp, rollout.ref_logp, *rollout.frozen_logp.values()) if t is not None]
+    for logp in scored:
+        keep = keep & torch.isfinite(logp)
     excluded = float((valid & ~keep).sum())
     if not excluded:
         return rollout, 0.0
-    clean = {name: None if t is None else torch.where(keep, t, 0.0) for name, t in scored.items()}
-    return replace(rollout, loss_mask=keep.to(rollout.loss_mask.dtype), **clean), excluded
+    old, ref = (None if t is None else torch.where(keep, t, 0.0)
+                for t in (rollout.old_logp, rollout.ref_logp))
+    frozen = {name: torch.where(keep, t, 0.0) for name, t in rollout.frozen_logp.items()}
+    return replace(rollout, loss_mask=keep.to(rollout.loss_mask.dtype), old_logp=old, ref_logp=ref,
+                   frozen_logp=frozen), excluded
 
 
 def rollout_stats(rollout: Rollout) -> dict[str, tuple[Tensor, float]]:

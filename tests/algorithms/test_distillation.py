@@ -11,6 +11,7 @@ import torch
 from helpers import Recorder, datamodule, logprobs, make, make_trainer
 
 from lightning_rl.algorithms import OnPolicyDistillation
+from lightning_rl.algorithms.distill import TeacherOptions
 from lightning_rl.episodes.source import round_seed
 from lightning_rl.maths.advantages import distillation_advantages
 from lightning_rl.maths.aggregation import normalizer_counts
@@ -19,7 +20,6 @@ from lightning_rl.maths.rollout_weights import rollout_is_weights
 from lightning_rl.models.builtin import TEACHER_MODEL, build_char_tokenizer, tiny_llama_config
 from lightning_rl.models.generation import SamplingParams, hf_generate
 from lightning_rl.models.loading import load_policy
-from lightning_rl.models.teacher import TeacherOptions
 from lightning_rl.step.engine import CopyEngine, seeded
 
 G, NEW_TOKENS, STEPS, TEMPERATURE = 4, 8, 2, 0.7
@@ -75,11 +75,12 @@ def test_the_step_is_distillation_written_out(tmp_path):
                                                                strict=True):
         mask = rollout.loss_mask.bool()
         assert torch.equal(rollout.completion_ids, ids)
-        torch.testing.assert_close(rollout.teacher_logp[mask], teacher_logp[mask], atol=1e-5, rtol=0)
+        scored = rollout.frozen_logp["teacher"]
+        torch.testing.assert_close(scored[mask], teacher_logp[mask], atol=1e-5, rtol=0)
         torch.testing.assert_close(rollout.advantages[mask], advantages[mask], atol=1e-5, rtol=0)
         # the student's log-probs are the sampler's own (no separate behaviour pass)
         assert rollout.old_logp is None and rollout.rollout_logp is not None
-        gap = (rollout.rollout_logp - rollout.teacher_logp)[mask].mean()
+        gap = (rollout.rollout_logp - scored)[mask].mean()
         assert stats["distill/reverse_kl"] == pytest.approx(float(gap), abs=1e-6)
     assert rollouts.stats[0]["distill/reverse_kl"] > 0.05  # the warm start is far from its teacher
     trained = dict(module.policy.model.named_parameters())
@@ -154,7 +155,8 @@ def test_a_bf16_engine_distils_from_the_recomputed_behaviour_logprobs(tmp_path):
     for rollout in copy.rollouts:
         mask = rollout.loss_mask.bool()
         assert not torch.equal(rollout.old_logp[mask], rollout.rollout_logp[mask])
-        expected = distillation_advantages(rollout.teacher_logp, rollout.old_logp, rollout.loss_mask)
+        teacher = rollout.frozen_logp["teacher"]
+        expected = distillation_advantages(teacher, rollout.old_logp, rollout.loss_mask)
         torch.testing.assert_close(rollout.advantages[mask], expected[mask])
 
 
@@ -168,10 +170,11 @@ def test_a_worker_sampling_ahead_scores_the_teacher_and_its_logprobs_are_the_stu
     assert all(s["perf/sampler_teacher_time"] > 0 and s["perf/teacher_time"] < s["perf/sampler_teacher_time"]
                for s in ahead.stats)
     for rollout in ahead.rollouts:
-        torch.testing.assert_close(rollout.teacher_logp, logprobs(module, rollout, module.teacher) *
+        torch.testing.assert_close(rollout.frozen_logp["teacher"], logprobs(module, rollout, module.teacher) *
                                    rollout.loss_mask, atol=1e-5, rtol=0)
         assert rollout.old_logp is None and rollout.rollout_logp is not None
-        expected = distillation_advantages(rollout.teacher_logp, rollout.rollout_logp, rollout.loss_mask)
+        teacher = rollout.frozen_logp["teacher"]
+        expected = distillation_advantages(teacher, rollout.rollout_logp, rollout.loss_mask)
         mask = rollout.loss_mask.bool()
         torch.testing.assert_close(rollout.advantages[mask], expected[mask])
 
@@ -210,6 +213,7 @@ def test_opd_plus_rl_adds_the_weighted_task_advantages(tmp_path):
     (rollout,) = rollouts.rollouts
     mask = rollout.loss_mask.bool()
     task = group_advantages(rollout.rewards, G)[:, None].expand_as(mask)
-    expected = distillation_advantages(rollout.teacher_logp, rollout.rollout_logp, rollout.loss_mask)
+    teacher = rollout.frozen_logp["teacher"]
+    expected = distillation_advantages(teacher, rollout.rollout_logp, rollout.loss_mask)
     torch.testing.assert_close(rollout.advantages[mask], (expected + 0.5 * task)[mask])
     assert task[mask].abs().max() > 0  # some group had mixed rewards: the task term is really there

@@ -172,7 +172,7 @@ def test_cli_step0_ties_val_steps_and_perf(tmp_path, caplog, capfd):
 
 def test_validation_samples_with_the_current_weights_of_a_copy_engine():
     dpo = make_dpo(engine=CopyEngine(dtype="float32"))
-    dpo.attach_engine()
+    dpo.completer.attach()
     perturb(dpo.policy.model)
     dpo.on_validation_start()  # no trainer needed without precompute_ref_logps
     copy = dict(dpo.engine.copy.model.named_parameters())

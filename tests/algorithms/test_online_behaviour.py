@@ -220,7 +220,7 @@ def test_chat_template_renders_strings_and_messages(tmp_path):
     assert mask[0].tolist() == [0] * 10 + [1] * 24
     assert ids[1, 0] == module.tokenizer.bos_token_id and (ids[1] == module.tokenizer.bos_token_id).sum() == 1
     # option off: a plain string is encoded as is (with the tokenizer's BOS); messages are still rendered
-    module.chat_template = False
+    module.codec.chat_template = False
     ids, mask = module.encode_prompts(["12345="])
     assert texts(module, ids, mask) == ["<bos>12345="]
     ids, mask = module.encode_prompts([messages])
@@ -250,10 +250,10 @@ def test_chat_template_without_template_names_the_key(tmp_path):
     module = make(policy={"chat_template": True})  # the embedded tokenizer has no chat template
     with pytest.raises(ValueError, match="model.policy.chat_template"):
         module.encode_prompts(["12345="])
-    module.chat_template = False
+    module.codec.chat_template = False
     with pytest.raises(ValueError, match="model.policy.chat_template"):  # messages always need a template
         module.encode_prompts([[{"role": "user", "content": "12345="}]])
-    module.chat_template = True
+    module.codec.chat_template = True
     trainer = make_trainer(tmp_path, max_steps=1)
     with pytest.raises(ValueError, match="model.policy.chat_template"):  # before any generation or step
         trainer.fit(module, datamodule())

@@ -377,7 +377,7 @@ def test_end_to_end(tmp_path, cls, kw, max_steps, rl_steps, extra, absent):
         assert len(logged[name]) == rl_steps, name  # once per RL step
     # validation ran once, after the last step, on the 16 held-out prompts: recompute it with the final policy
     val = module.trainer.datamodule.val_rows
-    greedy, _ = module.greedy([r["prompt"] for r in val])
+    greedy, _ = module.completer.greedy([r["prompt"] for r in val])
     accuracy = sum(g.strip() == r["answer"] for g, r in zip(greedy, val, strict=True)) / len(val)
     assert logged["val/accuracy"] == [pytest.approx(accuracy, abs=1e-6)]
     assert logged["val/reward_mean"] == [pytest.approx(accuracy, abs=1e-6)]  # the reward is exact match too

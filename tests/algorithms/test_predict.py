@@ -73,7 +73,7 @@ def test_greedy_predictions_are_the_modules_greedy_completions(tmp_path):
     cli = predict(tmp_path, "--data.init_args.predict_path", prompt_file(tmp_path),
                   "--predictions.output", out)
     rows = read_jsonl(out)
-    completions, lengths = cli.model.greedy([p for p, _ in ROWS])
+    completions, lengths = cli.model.completer.greedy([p for p, _ in ROWS])
     assert [r["completion"] for r in rows] == completions and [r["length"] for r in rows] == lengths
     assert [r["sample"] for r in rows] == [0] * len(ROWS)
     assert any(r["correct"] for r in rows)  # the warm-started model sorts some of them

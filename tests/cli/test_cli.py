@@ -115,7 +115,7 @@ def test_omegaconf_interpolation(tmp_path):
                        "    policy:\n      max_prompt_length: ${model.init_args.sampling.max_new_tokens}\n")
     cli = LightningRLCLI(args=["--config", str(CONFIGS / "grpo.yaml"), "--config", str(overlay),
                                "--trainer.logger.init_args.save_dir", str(tmp_path)], run=False)
-    assert cli.model.max_prompt_length == 9
+    assert cli.model.codec.max_prompt_length == 9
 
 
 @pytest.mark.slow

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import lightning_rl.losses as L
+from lightning_rl.algorithms.distill import Distillation
 from lightning_rl.step.collectives import Collectives
-from lightning_rl.step.estimators import Distillation, LeaveOneOut
+from lightning_rl.step.estimators import LeaveOneOut
 from lightning_rl.step.rollout import Rollout
 
 T = torch.tensor
@@ -57,8 +58,8 @@ def _rollout(rewards, **fields) -> Rollout:
 
 
 def test_the_estimator_reads_the_behaviour_logprobs_and_logs_the_reverse_kl():
-    adv, stats = Distillation().estimate(_rollout([0.0, 0.0], teacher_logp=TEACHER, old_logp=STUDENT),
-                                         Collectives.local())
+    rollout = _rollout([0.0, 0.0], frozen_logp={"teacher": TEACHER}, old_logp=STUDENT)
+    adv, stats = Distillation().estimate(rollout, Collectives.local())
     torch.testing.assert_close(adv["advantages"], T([[0.5, 0.0, -1.0, 0.0], [0.0, 0.0, 1.0, 0.0]]))
     # mean of student - teacher over the 6 valid tokens: (-.5 + 0 + 1 + 0 - 1 + 0) / 6 = -1/12
     assert stats["distill/reverse_kl"] == pytest.approx(-1 / 12)
@@ -66,8 +67,8 @@ def test_the_estimator_reads_the_behaviour_logprobs_and_logs_the_reverse_kl():
 
 def test_without_behaviour_logprobs_the_engines_are_the_students():
     """A worker sampling ahead: the step has no ``old_logp``; the tokens came from the engine's policy."""
-    adv, _ = Distillation().estimate(_rollout([0.0, 0.0], teacher_logp=TEACHER, rollout_logp=STUDENT),
-                                     Collectives.local())
+    rollout = _rollout([0.0, 0.0], frozen_logp={"teacher": TEACHER}, rollout_logp=STUDENT)
+    adv, _ = Distillation().estimate(rollout, Collectives.local())
     torch.testing.assert_close(adv["advantages"], T([[0.5, 0.0, -1.0, 0.0], [0.0, 0.0, 1.0, 0.0]]))
     with pytest.raises(ValueError, match="teacher"):
         Distillation().estimate(_rollout([0.0, 0.0], old_logp=STUDENT), Collectives.local())
@@ -77,7 +78,7 @@ def test_task_rewards_are_mixed_in_with_their_weight():
     """OPD + RL: the task estimator's per-sequence advantages, times ``reward_weight``, on each valid token.
     RLOO of rewards [1, 0] in one group of 2: [1 - 0, 0 - 1] = [1, -1]; weight .5 adds [.5, -.5]."""
     estimator = Distillation(coef=1.0, discount=0.0, reward_weight=0.5, task=LeaveOneOut())
-    adv, _ = estimator.estimate(_rollout([1.0, 0.0], teacher_logp=TEACHER, old_logp=STUDENT),
+    adv, _ = estimator.estimate(_rollout([1.0, 0.0], frozen_logp={"teacher": TEACHER}, old_logp=STUDENT),
                                 Collectives.local())
     torch.testing.assert_close(adv["advantages"], T([[1.0, 0.5, -0.5, 0.0], [-0.5, 0.0, 0.5, -0.5]]))
     assert estimator.min_group_size == 2 and Distillation().min_group_size == 1  # no groups without rewards
@@ -107,6 +108,6 @@ def test_a_non_finite_teacher_logprob_leaves_the_loss_and_is_counted():
     assert stats["distill/teacher_excluded_tokens"] == 1.0
     assert rollout.loss_mask.tolist() == [[1, 0, 1, 0], [1, 0, 1, 1]]  # token (0, 1) out of the loss
     assert rollout.attention_mask.tolist() == MASK.tolist()  # still in the context
-    assert torch.isfinite(rollout.teacher_logp).all()
+    assert torch.isfinite(rollout.frozen_logp["teacher"]).all()
     adv, _ = Distillation().estimate(rollout, Collectives.local())
     assert torch.isfinite(adv["advantages"]).all() and adv["advantages"][0, 1] == 0

@@ -111,6 +111,16 @@ def test_metrics_compute_every_known_name_every_step():
     assert all(not math.isnan(v) for v in logged.values())
 
 
+def test_a_stages_own_metric_group_is_logged_and_the_steps_own_counts_are_not():
+    """Any ``group/name`` statistic is a metric (a preset stage's ``distill/``, ``critic_lm/``: no table lists
+    the groups); the counts the step keeps for its own sums and names without a group are not logged."""
+    metrics, logged = StepMetrics(), {}
+    metrics.add_stats(CPU, {"critic_lm/excluded_tokens": 2.0, "perf/generated_tokens": 64.0, "tokens": 1.0,
+                            "/x": 1.0, "x/": 1.0, "rollout/excluded_tokens": 0.0})
+    metrics.log(CPU, lambda n, v: logged.__setitem__(n, float(v)))
+    assert logged == {"critic_lm/excluded_tokens": 2.0, "rollout/excluded_tokens": 0.0}
+
+
 def test_max_metrics_take_the_maximum_over_micro_batches_whatever_their_weight():
     metrics, logged = StepMetrics(), {}
     metrics.add(CPU, {"policy/kl_ref_max": 3.0, "policy/kl_ref": 1.0}, 0.75)
