@@ -171,8 +171,8 @@ def sample_round(module, batch, collectives=None, decide=True):
     from lightning_rl.episodes.source import round_seed
 
     seed = round_seed(module.rollouts.seed, module.trainer.fit_loop.total_batch_idx, 0, module.global_rank)
-    return module.sampler(batch, module.completer.io(), seed=seed, collectives=collectives, decide=decide,
-                          device=module.device)
+    return module.online.sampler(batch, module.completer.io(), seed=seed, collectives=collectives,
+                                 decide=decide, device=module.device)
 
 
 def gone(pid: int) -> bool:

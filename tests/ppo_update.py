@@ -57,7 +57,7 @@ def main() -> None:
         policy={"model": "builtin:tiny-sort", "max_prompt_length": 16},
         sampling={"max_new_tokens": 8, "num_generations": 4},
         update={"micro_batch_size": None if micro == "none" else int(micro), "max_grad_norm": None},
-        objective={"kl_in_reward": False, "kl_coef": 0.1, "kl_estimator": "k3", "entropy_coef": 0.01},
+        objective={"kl_in_reward": None, "kl_coef": 0.1, "kl_estimator": "k3", "entropy_coef": 0.01},
         critic={"value_clip": 0.05, "optimizer": partial(torch.optim.SGD, lr=0.0)},
         optimizer=partial(torch.optim.SGD, lr=0.0))
     if strategy == "fsdp2":

@@ -1,8 +1,10 @@
 """The online step's stages, each built from its option group (``lightning_rl.algorithms.options``).
 
-``OnlineRL.__init__`` calls these in order; each function takes one group (and the little it needs from the
-module: the tokenizer, the token budget, a render function) and returns the stage objects. A contributor who
-adds an option to a group builds it here, next to the other stages of that group.
+``OnlineRL.__init__`` calls :func:`online_step`, which calls the others in order and returns the
+:class:`~lightning_rl.algorithms.online_step.OnlineStep` the module holds; each function takes one group (and
+the little it needs from the module: the tokenizer, the token budget, a render function, the engine) and
+returns the stage objects. A contributor who adds an option to a group builds it here, next to the other
+stages of that group.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_rl.algorithms.online_step import OnlineStep
 from lightning_rl.algorithms.options import (
     EpisodeOptions,
     FilterOptions,
+    LogProbOptions,
     ObjectiveOptions,
     RewardOptions,
     SamplingOptions,
@@ -26,15 +30,52 @@ from lightning_rl.episodes.sampler import Sampler
 from lightning_rl.episodes.source import RolloutSource
 from lightning_rl.episodes.tool_formats import HermesFormat
 from lightning_rl.maths.objective import Objective
+from lightning_rl.models.frozen import FrozenModels
+from lightning_rl.models.generation import SamplingParams
+from lightning_rl.models.prompt_codec import PromptCodec
 from lightning_rl.models.reward_model import RewardModelScorer
+from lightning_rl.step.correction import RolloutCorrection
+from lightning_rl.step.engine import RolloutEngine
 from lightning_rl.step.estimators import AdvantageEstimator, GroupNormalized, KLInReward
 from lightning_rl.step.filters import DynamicSampling, RolloutFilter
+from lightning_rl.step.logprobs import resolve_behaviour
 from lightning_rl.step.reward_pipeline import RewardPipeline, overlong_shaping
 from lightning_rl.step.reward_scorer import RewardScorer
 from lightning_rl.step.rewards import FullScore, import_reward
 from lightning_rl.step.update import Updater
 
 DEFAULT_REWARD = "lightning_rl.step.rewards:exact_match"
+
+
+def online_step(policy: Any, codec: PromptCodec, engine: RolloutEngine, *, sampling: SamplingOptions,
+                rewards: RewardOptions, episodes: EpisodeOptions, objective: ObjectiveOptions,
+                advantage: AdvantageEstimator | None, filters: FilterOptions, logprobs: LogProbOptions,
+                update: UpdateOptions, reads_behaviour: bool, trust_remote_code: bool) -> OnlineStep:
+    """The online step of a module's ``policy``, ``codec`` and ``engine`` from its option groups, each stage
+    built in order (a wrong choice fails here, before training). Sets the codec's tool schemas (Hermes
+    tools); the reference is declared among the frozen models when a KL term is on."""
+    estimator = advantage_stage(advantage, sampling.num_generations)
+    runner, codec.tools = episode_stage(episodes, tokenizer=policy.tokenizer, chat=codec.chat_template,
+                                        max_new_tokens=sampling.max_new_tokens, context=policy.context_length,
+                                        max_prompt_length=codec.max_prompt_length)
+    budget = runner.max_episode_tokens if runner is not None else sampling.max_new_tokens
+    loss, kl_reward = objective_stages(objective, default_length=budget)
+    stages = reward_stages(rewards, environment_only=episodes.environment is not None, budget=budget,
+                           render=codec.render_for_reward_model, trust_remote_code=trust_remote_code,
+                           decouple_eps=estimator.decouple_eps)
+    updater = update_stage(update)
+    behaviour, correction = behaviour_stage(logprobs, engine, updater.updates_per_rollout,
+                                            kl_in_reward=kl_reward is not None,
+                                            ahead=sampling.max_staleness > 0, reads_behaviour=reads_behaviour)
+    params = SamplingParams(sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.top_k)
+    sampler = Sampler(sampling.num_generations, params, stages.pipeline, runner, filters.mask_truncated)
+    step = OnlineStep(policy, engine, params, sampling.num_generations, sampling.seed,
+                      sampling.share_prompt_prefix, runner, stages, sampler,
+                      rollout_source(sampler, filters, sampling), estimator, loss, objective.entropy_coef,
+                      kl_reward, updater, behaviour, correction, reads_behaviour, FrozenModels())
+    if step.needs_reference:
+        step.frozen.declare("reference", policy.reference)
+    return step
 
 
 def advantage_stage(advantage: AdvantageEstimator | None, num_generations: int) -> AdvantageEstimator:
@@ -62,10 +103,10 @@ def objective_stages(o: ObjectiveOptions, *, default_length: int | None = None,
     length = o.aggregation_length
     if length is None and o.aggregation == "seq-mean-token-sum-norm":
         length = default_length
-    objective = Objective(**{**axes, "kl_coef": 0.0 if o.kl_in_reward else o.kl_coef,
+    objective = Objective(**{**axes, "kl_coef": 0.0 if o.kl_in_reward is not None else o.kl_coef,
                              "aggregation_length": length})
-    in_reward = o.kl_in_reward and o.kl_coef > 0
-    return objective, KLInReward(o.kl_coef, o.kl_estimator, o.kl_target, o.kl_horizon) if in_reward else None
+    in_reward = o.kl_in_reward is not None and o.kl_coef > 0
+    return objective, KLInReward(o.kl_coef, o.kl_estimator, o.kl_in_reward) if in_reward else None
 
 
 def filter_stages(o: FilterOptions) -> list[RolloutFilter]:
@@ -158,3 +199,28 @@ def main_reward(scorer: RewardScorer) -> FullScore:
     """Correctness by the first reward function of the largest weight, at its full score."""
     best = max(range(len(scorer.fns)), key=lambda i: (scorer.weights[i], -i))
     return FullScore(scorer.names[best], scorer.fns[best])
+
+
+def behaviour_stage(o: LogProbOptions, engine: RolloutEngine, updates_per_rollout: int, *, kl_in_reward: bool,
+                    ahead: bool, reads_behaviour: bool) -> tuple[str, RolloutCorrection]:
+    """Where the behaviour log-probs come from (checked against the engine now, so that a wrong choice fails
+    before training) and the correction; the engine told what it must keep (``ahead``: a worker sampling
+    ahead; ``reads_behaviour``: a stage reads the sampling policy's log-probs)."""
+    if ahead:  # the worker's weights are k steps old: its log-probs are the behaviour's
+        engine.sample_ahead()
+    if reads_behaviour:
+        engine.keep_logprobs()  # else the learner's behaviour pass scores them
+    behaviour = behaviour_source(o.behaviour, kl_in_reward=kl_in_reward)
+    resolve_behaviour(behaviour, updates_per_rollout, engine)
+    return behaviour, o.correction if o.correction is not None else RolloutCorrection()
+
+
+def behaviour_source(behaviour: str, *, kl_in_reward: bool) -> str:
+    """The behaviour source the learner uses: ``model.logprobs.behaviour``, or ``recompute`` when the KL is in
+    the reward (its penalty needs the trained policy's own log-probs of the rollout). An explicit other
+    source is refused rather than overridden."""
+    if not kl_in_reward or behaviour in ("auto", "recompute"):
+        return "recompute" if kl_in_reward else behaviour
+    raise ValueError(f"`model.objective.kl_in_reward` (the KL in the reward) scores the behaviour log-probs "
+                     f"with the trained policy (`recompute`), which `model.logprobs.behaviour: {behaviour}` "
+                     "contradicts: leave `model.logprobs.behaviour` at auto or recompute")

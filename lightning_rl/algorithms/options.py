@@ -14,6 +14,7 @@ from lightning_rl.episodes.environments import Environment
 from lightning_rl.maths.checks import require as require_in
 from lightning_rl.maths.covariance_regions import ClipCov, KLCov
 from lightning_rl.maths.objective import Objective
+from lightning_rl.maths.penalties import AdaptiveKL, KLController
 from lightning_rl.step.correction import RolloutCorrection
 from lightning_rl.step.filters import RolloutFilter
 from lightning_rl.step.logprobs import BehaviourSource
@@ -245,29 +246,25 @@ class ObjectiveOptions(Objective):
 
     Args:
         kl_in_reward: the KL as a per-token reward penalty (``lightning_rl.step.estimators.KLInReward``)
-            instead of the loss term.
-        kl_target: with ``kl_in_reward``, an adaptive coefficient aiming at this mean KL (``None``: fixed).
-        kl_horizon: the adaptive coefficient's horizon in steps.
+            instead of the loss term, its coefficient ``kl_coef`` moved by this controller:
+            ``FixedKL`` or ``AdaptiveKL`` (``target``, ``horizon``) of ``lightning_rl.maths.penalties``, as a
+            ``class_path`` (the class name is enough); ``null``: the KL is a loss term.
         entropy_coef: weight of an entropy bonus aggregated like the loss (0: off; always logged).
 
     ``aggregation_length`` here: ``None`` is ``sampling.max_new_tokens``, or the episode budget
     (``episodes.max_episode_tokens``) in multi-turn episodes; only ``seq-mean-token-sum-norm`` reads it.
     """
 
-    kl_in_reward: bool = False
-    kl_target: float | None = None
-    kl_horizon: int = 10000
+    kl_in_reward: KLController | None = None
     entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         length = self.aggregation_length
-        require("objective", entropy_coef=(self.entropy_coef >= 0, self.entropy_coef, ">= 0"),
-                kl_horizon=(self.kl_horizon >= 1, self.kl_horizon, ">= 1"),
-                kl_target=(self.kl_target is None or self.kl_target > 0, self.kl_target, "> 0 or null"))
-        if self.kl_target is not None and not (self.kl_in_reward and self.kl_coef > 0):
-            raise ValueError("`model.objective.kl_target` (adaptive KL) needs `model.objective.kl_in_reward: "
-                             "true` and `model.objective.kl_coef` > 0")
+        require("objective", entropy_coef=(self.entropy_coef >= 0, self.entropy_coef, ">= 0"))
+        if isinstance(self.kl_in_reward, AdaptiveKL) and not self.kl_coef > 0:
+            raise ValueError("`model.objective.kl_in_reward: AdaptiveKL` needs `model.objective.kl_coef` > 0 "
+                             "(its starting value)")
         if length is not None and self.aggregation != "seq-mean-token-sum-norm":
             raise ValueError(f"`model.objective.aggregation_length` has no effect under "
                              f"`model.objective.aggregation: {self.aggregation}` (only "

@@ -18,6 +18,7 @@ from lightning_rl.algorithms.online import OnlineRL
 from lightning_rl.algorithms.optimiser_steps import Companion
 from lightning_rl.algorithms.options import ObjectiveOptions, SamplingOptions
 from lightning_rl.algorithms.presets import PPO_MOVED_KEYS
+from lightning_rl.maths.penalties import FixedKL
 from lightning_rl.models.critic import CriticOptions, load_critic
 from lightning_rl.models.model_utils import enable_gradient_checkpointing
 from lightning_rl.models.sharding import zero_loss
@@ -27,7 +28,8 @@ from lightning_rl.step.logprobs import CriticValues
 from lightning_rl.step.rollout import Rollout
 from lightning_rl.step.update import TrainedModel, critic_loss
 
-PPO_OBJECTIVE = ObjectiveOptions(aggregation="token-mean", kl_coef=0.05, kl_estimator="k1", kl_in_reward=True)
+PPO_OBJECTIVE = ObjectiveOptions(aggregation="token-mean", kl_coef=0.05, kl_estimator="k1",
+                                 kl_in_reward=FixedKL())
 
 
 class PPO(OnlineRL):
@@ -37,7 +39,8 @@ class PPO(OnlineRL):
         critic: the value model, its optimiser and its loss (``CriticOptions``).
         sampling: one completion per prompt by default (the critic is the baseline).
         objective: PPO-Clip with ``token-mean`` (as verl) and the KL to the reference as a per-token ``k1``
-            penalty in the reward (``kl_in_reward: false`` puts it in the loss).
+            penalty in the reward at a fixed coefficient (``kl_in_reward: FixedKL``; ``AdaptiveKL`` with
+            a ``target``; ``null`` puts it in the loss).
         advantage: ``None``: GAE (``gamma`` 1.0, ``lam`` 0.95, whitened); set
             ``lightning_rl.step.estimators.GAE`` with other ``init_args`` to change them.
         **kwargs: see :class:`~lightning_rl.algorithms.online.OnlineRL`.

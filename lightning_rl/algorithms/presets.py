@@ -52,9 +52,21 @@ MOVED_TRUST_REGIONS: dict[str, str] = {
        (("clip", "Clip"), ("soft_gate", "SoftGate"), ("cispo", "CISPO"), ("dppo", "DPPO"))},
     "clip_cov": "lightning_rl.maths.covariance_regions.ClipCov",
     "kl_cov": "lightning_rl.maths.covariance_regions.KLCov"}
+# Values of before for options that are typed choices now: the last part of the key, the old value, the answer
+MOVED_VALUES: dict[str, dict[str, str]] = {
+    "trust_region": {old: f"a trust region is a class holding its own options now: `class_path: {path}` (its "
+                          "options under `init_args`)" for old, path in MOVED_TRUST_REGIONS.items()},
+    "kl_in_reward": {
+        "true": "the KL in the reward names its coefficient's controller now: `kl_in_reward: FixedKL` (or "
+                "`AdaptiveKL` with `init_args.target`; lightning_rl.maths.penalties)",
+        "false": "the KL in the loss is `kl_in_reward: null` now"},
+}
 _REGION = "objective.trust_region.init_args"
-# Each trust-region option of the flat `objective` group, and its field in the trust regions that take it now
-TRUST_REGION_MOVED_KEYS: dict[str, str] = {
+# Each option of the flat `objective` group that a typed choice holds now (the trust region, the KL's
+# controller in the reward), and its field in the classes that take it
+OBJECTIVE_MOVED_KEYS: dict[str, str] = {
+    "kl_target": "objective.kl_in_reward.init_args.target of AdaptiveKL",
+    "kl_horizon": "objective.kl_in_reward.init_args.horizon of AdaptiveKL",
     "clip_low": f"{_REGION}.low of Clip or ClipCov", "clip_high": f"{_REGION}.high of Clip, CISPO or ClipCov",
     "clip_ratio_c": f"{_REGION}.dual_clip of Clip", "tau_pos": f"{_REGION}.tau_pos of SoftGate",
     "tau_neg": f"{_REGION}.tau_neg of SoftGate", "dppo_divergence": f"{_REGION}.divergence of DPPO",
@@ -83,7 +95,7 @@ ONLINE_MOVED_KEYS: dict[str, str] = {
                                            "tool_format", "tool_timeout")},
     "on_env_error": "episodes.on_error",
     **{f.name: f"objective.{f.name}" for f in dataclasses.fields(ObjectiveOptions)},
-    **TRUST_REGION_MOVED_KEYS, **{f"objective.{k}": v for k, v in TRUST_REGION_MOVED_KEYS.items()},
+    **OBJECTIVE_MOVED_KEYS, **{f"objective.{k}": v for k, v in OBJECTIVE_MOVED_KEYS.items()},
     "dynamic_sampling": "filters.dynamic_sampling", "max_gen_batches": "filters.max_gen_batches",
     "mask_truncated": "filters.mask_truncated",
     "behaviour_logp": "logprobs.behaviour", "rollout_correction": "logprobs.correction",

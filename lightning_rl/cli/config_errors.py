@@ -71,6 +71,8 @@ def summarize(message: str, args: Sequence[str], known: Iterable[str] = ()) -> s
     p = parse_message(message)
     where = locate(p.key, args, p.value)
     at = f" ({where})" if where else ""
+    if answer := moved_value(p.key, p.value):
+        return PREFIX + f"`{p.key.removesuffix('.class_path')}` = {_quote(p.value)}{at}: {answer}"
     if p.kind == "unknown_key" and (moved := moved_key(p.key, p.cls)):
         return PREFIX + _moved_key(p, moved, args)
     if p.kind == "unknown_key":
@@ -152,6 +154,15 @@ def group_fields(cls_path: str, group: str) -> list[str]:
     return [f.name for f in dataclasses.fields(default)] if dataclasses.is_dataclass(default) else []
 
 
+def moved_value(key: str | None, value: object) -> str | None:
+    """The answer to a value of before for an option that is a typed choice now (``trust_region: cispo``,
+    ``kl_in_reward: true``), or ``None``."""
+    from lightning_rl.algorithms.presets import MOVED_VALUES
+
+    name = (key or "").removesuffix(".class_path").rsplit(".", 1)[-1]
+    return MOVED_VALUES.get(name, {}).get(str(value).lower()) if value is not None else None
+
+
 def moved_key(key: str, cls_path: str | None) -> tuple[str, str] | None:
     """``(old key, new key)`` when ``key`` (or the mapping it sits in) is a flat key of ``cls_path`` from
     before the option groups (``model.init_args.temperature`` -> ``model.init_args.sampling.temperature``)."""
@@ -181,12 +192,6 @@ def _wrong_type(p: Problem, at: str) -> str:
 def _wrong_class(p: Problem, at: str) -> str:
     """A ``class_path`` that names no class, or one that is not a subclass of what the key takes: why, and
     the closest class (else the candidates, ours first)."""
-    from lightning_rl.algorithms.presets import MOVED_TRUST_REGIONS
-
-    if p.key.endswith("trust_region.class_path") and p.value in MOVED_TRUST_REGIONS:
-        return (f"`{p.key}` = {_quote(p.value)}{at}: a trust region is a class holding its own options now: "
-                f"`class_path: {MOVED_TRUST_REGIONS[p.value]}` (its options "
-                "under `init_args`)")
     hint, candidates = suggest_class(p.value, p.base)
     base = (p.base or "").rsplit(".", 1)[-1]
     if "subclass" in p.detail or "does not correspond" in p.detail:

@@ -120,7 +120,7 @@ def parse_message(message: str) -> Problem:
                 break
         if text and not NOISE.match(text):
             return _leaf(text, lines, i, path, cls if in_class else None, base)
-    return Problem("other", key=".".join(path), detail=first.splitlines()[0])
+    return Problem("other", key=".".join(path), value=_given_value(lines, 0), detail=first.splitlines()[0])
 
 
 def _given_value(lines: Sequence[str], start: int) -> str | None:

@@ -2,7 +2,8 @@
 
 The per-token KL to a reference policy (:func:`kl_penalty`: Schulman's k1/k2/k3), which the policy losses of
 :mod:`lightning_rl.maths.losses` add to the loss and :func:`~lightning_rl.maths.advantages.token_rewards`
-puts into the reward; the coefficient's proportional controller (:func:`adaptive_kl_coef`); and DAPO's
+puts into the reward; the coefficient's controllers when it is in the reward (:class:`FixedKL`,
+:class:`AdaptiveKL`: Ziegler et al.'s :func:`adaptive_kl_coef`); and DAPO's
 overlong punishment of a response length (:func:`overlong_penalty`). Part of the contract
 :mod:`lightning_rl.losses`.
 
@@ -12,11 +13,12 @@ Shapes: ``[N]`` per sample, ``[B, T]`` per token.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
 
-from lightning_rl.maths.checks import check_choice, check_shapes
+from lightning_rl.maths.checks import check_choice, check_shapes, require
 
 Tensor = torch.Tensor
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -57,6 +59,45 @@ def adaptive_kl_coef(coef: float, kl: float, target: float, n_steps: int, horizo
         raise ValueError(f"`kl_target` and `kl_horizon` must be > 0, got {target} and {horizon}")
     error = min(max(kl / target - 1.0, -0.2), 0.2)
     return coef * (1.0 + error * n_steps / horizon)
+
+
+class KLController:
+    """How the coefficient of the KL in the reward moves after each rollout
+    (``model.init_args.objective.kl_in_reward``: a ``class_path``, the class name is enough, and its
+    ``init_args``; ``null``: the KL is a loss term instead)."""
+
+    def next_value(self, coef: float, kl: float, n_steps: int) -> float:
+        """The coefficient after a rollout of ``n_steps`` samples whose mean per-sample KL was ``kl``."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class FixedKL(KLController):
+    """The KL in the reward at the fixed ``objective.kl_coef`` (InstructGPT's, verl's ``kl_ctrl.type:
+    fixed``)."""
+
+    def next_value(self, coef: float, kl: float, n_steps: int) -> float:
+        return coef
+
+
+@dataclass(frozen=True)
+class AdaptiveKL(KLController):
+    """The KL in the reward with Ziegler et al.'s proportional controller (:func:`adaptive_kl_coef`; verl's
+    ``kl_ctrl.type: adaptive``, TRL's): ``objective.kl_coef`` is its starting value.
+
+    Args:
+        target: the mean per-sequence KL aimed at, > 0. horizon: the controller's horizon in samples, >= 1.
+    """
+
+    target: float
+    horizon: int = 10000
+
+    def __post_init__(self) -> None:
+        require("model.objective.kl_in_reward", target=(self.target > 0, self.target, "> 0"),
+                horizon=(self.horizon >= 1, self.horizon, ">= 1"))
+
+    def next_value(self, coef: float, kl: float, n_steps: int) -> float:
+        return adaptive_kl_coef(coef, kl, self.target, n_steps, self.horizon)
 
 
 def overlong_penalty(lengths: Tensor, max_len: int, cache_len: int) -> Tensor:

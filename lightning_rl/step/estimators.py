@@ -30,7 +30,7 @@ from lightning_rl.maths.advantages import (
     whiten,
 )
 from lightning_rl.maths.multi_reward import batch_normalized, sequence_moments
-from lightning_rl.maths.penalties import adaptive_kl_coef, kl_penalty
+from lightning_rl.maths.penalties import FixedKL, KLController, kl_penalty
 from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.filters import group_size
 from lightning_rl.step.rollout import Rollout
@@ -177,19 +177,18 @@ class GAE(AdvantageEstimator):
 
 
 class KLInReward:
-    """The KL to the reference as a per-token penalty in the reward (InstructGPT / verl), with a fixed or
-    adaptive coefficient (Ziegler et al.'s controller; its value is saved in checkpoints).
+    """The KL to the reference as a per-token penalty in the reward (InstructGPT / verl), its coefficient
+    moved after each rollout by ``controller`` (its value is saved in checkpoints).
 
     Args:
-        coef: the KL weight (the controller's starting value when ``target`` is set).
+        coef: the KL weight (the controller's starting value).
         estimator: per-token KL estimate (``k1`` = log-ratio, InstructGPT's).
-        target, horizon: adaptive controller: after each rollout the coefficient moves towards the value
-            that keeps the mean per-sequence KL at ``target``; ``None``: fixed.
+        controller: :class:`~lightning_rl.maths.penalties.FixedKL` (``None`` too) or
+            :class:`~lightning_rl.maths.penalties.AdaptiveKL` (towards a target mean per-sequence KL).
     """
 
-    def __init__(self, coef: float, estimator: str = "k1", target: float | None = None,
-                 horizon: int = 10000) -> None:
-        self.value, self.estimator, self.target, self.horizon = coef, estimator, target, horizon
+    def __init__(self, coef: float, estimator: str = "k1", controller: KLController | None = None) -> None:
+        self.value, self.estimator, self.controller = coef, estimator, controller or FixedKL()
 
     def __call__(self, rollout: Rollout, collectives: Collectives) -> tuple[Rollout, dict[str, float]]:
         """The rollout with its ``[N, C]`` per-token rewards (the coefficient used is the one before this
@@ -201,8 +200,7 @@ class KLInReward:
                                             .to(kl.device)]))
         mean_kl = float(sums[0] / sums[1].clamp_min(1))
         stats = {"policy/kl_in_reward": mean_kl, "policy/kl_coef": self.value}
-        if self.target is not None:
-            self.value = adaptive_kl_coef(self.value, mean_kl, self.target, int(sums[1]), self.horizon)
+        self.value = self.controller.next_value(self.value, mean_kl, int(sums[1]))
         return replace(rollout, token_rewards=rewards), stats
 
     def state_dict(self) -> dict[str, Any]:

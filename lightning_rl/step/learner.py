@@ -24,7 +24,7 @@ class Learner:
     """Prepares a scored rollout for the update and runs the update (see the module docstring).
 
     Args:
-        stages: the stages before the advantages, in order (``OnlineRL.learner_stages``).
+        stages: the stages before the advantages, in order (``OnlineStep.learner_stages``).
         advantage: the advantage estimator, the last stage.
         updater: epochs, minibatches and micro-batches of the update.
         seed: the run's seed; minibatches are shuffled by ``(seed, step)``.

@@ -12,6 +12,7 @@ every rank makes it alike.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -82,6 +83,30 @@ class StepMetrics:
             log(name, value)
             out[name] = float(value)
         return out
+
+
+class StepClock:
+    """One step's wall-clock times, from its start: the weight sync's, the update's and the whole step's, and
+    the generated tokens per second over the step, as the step's ``perf/`` statistics."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.sync_time = self.update_start = 0.0
+
+    def synced(self) -> None:
+        """The weights reached the engine (or the worker sampling ahead): the sync's time is taken."""
+        self.sync_time = time.perf_counter() - self.start
+
+    def updating(self) -> None:
+        """The update starts now."""
+        self.update_start = time.perf_counter()
+
+    def stats(self, generated_tokens: float) -> dict[str, float]:
+        """The ``perf/`` times at the step's end, and ``generated_tokens`` per second of the step."""
+        step_time = time.perf_counter() - self.start
+        return {"perf/step_time": step_time, "perf/weight_sync_time": self.sync_time,
+                "perf/update_time": time.perf_counter() - self.update_start,
+                "perf/tokens_per_sec": generated_tokens / step_time}
 
 
 def agreed_names(names: set[str]) -> set[str]:

@@ -19,12 +19,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_rl.maths.aggregation import aggregate, masked_mean, normalizer_counts
+from lightning_rl.maths.aggregation import normalizer_counts
 from lightning_rl.maths.losses import value_loss
 from lightning_rl.models.packing import packable
 from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.rollout import Rollout
-from lightning_rl.step.selection import SelectedRows
 
 MicroLoss = Callable[[Rollout, Tensor, Tensor], tuple[Tensor, dict[str, Tensor]]]
 
@@ -215,55 +214,6 @@ def pad_fraction(micro: Rollout, trained: list[TrainedModel]) -> Tensor:
     total = micro.prompt_ids.numel() + micro.completion_ids.numel()
     real = micro.prompt_mask.sum() + micro.attention_mask.sum()
     return 1.0 - real.float() / max(total, 1)
-
-
-def policy_rows(micro: Rollout, kl_coef: float, entropy_coef: float) -> Tensor:
-    """The rows the policy loss reaches: those with a loss token and, without a KL or entropy term, a
-    non-zero advantage on one (every trust region multiplies each token's term by its advantage, except
-    KL-Cov's penalty on its selected tokens) among the tokens a high-entropy selection keeps."""
-    mask = micro.loss_mask.bool()
-    if kl_coef or entropy_coef or micro.advantages is None:
-        return mask.any(1)
-    advantages = micro.advantages if micro.advantages.dim() == 2 else micro.advantages[:, None]
-    reached = mask & (advantages != 0)
-    if isinstance(micro, SelectedRows):
-        reached = reached | (mask & micro.selected) if micro.selected is not None else reached
-        reached = reached & micro.high_entropy if micro.high_entropy is not None else reached
-    return reached.any(1)
-
-
-
-def micro_batch_policy_loss(policy: Any, micro: Rollout, objective: Any, entropy_coef: float,
-                            num_tokens: Tensor, num_seqs: Tensor,
-                            correction: Any = None) -> tuple[Tensor, dict[str, Any]]:
-    """The policy's loss on a micro-batch: the objective (normalised by the minibatch's global counts)
-    minus ``entropy_coef`` x the entropy, aggregated like the loss; ``policy/entropy`` is always logged.
-    Log-probs are scored at the temperature the rows were sampled at (``micro.temperature``); on-policy rows
-    (``old_logp`` None) use the current log-probs, detached, and when the engine's log-probs differ from them
-    (``rollout_logp``: another copy of the weights) ``correction`` weighs each token here, as it would after a
-    separate behaviour pass."""
-    logp, entropy = policy.token_logprobs(micro.prompt_ids, micro.prompt_mask, micro.completion_ids,
-                                          micro.attention_mask, with_entropy=True,
-                                          temperature=micro.temperature)
-    old_logp = micro.old_logp if micro.old_logp is not None else logp.detach()
-    weights, mismatch = micro.is_weights, {}
-    if micro.old_logp is None and micro.rollout_logp is not None and correction is not None:
-        weights, mismatch = correction.weights(old_logp, micro.rollout_logp, micro.loss_mask)
-    if objective.selects_tokens and not isinstance(micro, SelectedRows):
-        raise RuntimeError("the objective selects tokens over the whole minibatch, but no `select` stage "
-                           "ran before the micro-batches (`TrainedModel.select`: `select_tokens`)")
-    selection = micro.selection if isinstance(micro, SelectedRows) else None
-    loss, metrics = objective(logp, old_logp, micro.ref_logp, micro.advantages, micro.loss_mask,
-                              num_tokens=num_tokens, num_seqs=num_seqs, token_weights=weights,
-                              selection=selection, sampler_logp=micro.rollout_logp)
-    metrics.update(mismatch)
-    if entropy_coef:
-        loss = loss - entropy_coef * aggregate(entropy, micro.loss_mask, objective.aggregation,
-                                               num_tokens=num_tokens, num_seqs=num_seqs,
-                                               norm_length=objective.aggregation_length)
-    metrics["policy/entropy"] = masked_mean(entropy.detach(), micro.loss_mask.bool())
-    metrics["policy/loss"] = loss
-    return loss, metrics
 
 
 def critic_loss(critic: Any, micro: Rollout, vf_coef: float, value_clip: float | None,

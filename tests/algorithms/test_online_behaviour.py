@@ -53,7 +53,7 @@ def texts(module, rows: torch.Tensor, mask: torch.Tensor) -> list[str]:
 def spy_generations(module) -> list[tuple[dict, Rollout]]:
     """Record every (prompt batch, scored rollout) that the sampler produces (the first round and every
     refill), before any filter."""
-    seen, original = [], module.sampler
+    seen, original = [], module.online.sampler
 
     def spy(batch, io, **kwargs):
         rollout, stats = original(batch, io, **kwargs)

@@ -109,7 +109,7 @@ def update(module, rollout) -> None:
 def behaviour_passes(module):
     """The step's reference and behaviour log-prob stages as the module declares them now (its first two
     learner stages), run one after the other."""
-    reference, behaviour = module.learner_stages()[:2]
+    reference, behaviour = module.online.learner_stages(module.preset_stages())[:2]
 
     def run(rollout, collectives):
         rollout, _ = reference(rollout, collectives)
@@ -256,7 +256,7 @@ def test_single_update_skips_the_old_policy_forward_pass(tmp_path, monkeypatch):
     trainer.fit(module, datamodule())
     assert trainer.global_step == 2 and len(cap.rollouts) == 2
     per_rollout = module.updater.updates_per_rollout
-    assert resolve_behaviour(module.behaviour, per_rollout, module.engine) == "on_policy"  # `auto`
+    assert resolve_behaviour(module.online.behaviour, per_rollout, module.engine) == "on_policy"  # `auto`
     assert policy_logprob_calls == []  # no behaviour forward pass at all
     assert all(r.old_logp is None for r in cap.rollouts)
 
@@ -352,7 +352,7 @@ CLIP = ["policy/clip_frac_low", "policy/clip_frac_high"]
 def test_end_to_end(tmp_path, cls, kw, max_steps, rl_steps, extra, absent):
     module = make(cls, **kw)
     before = params(module)
-    cap, generated, original = Capture(), [], module.sampler
+    cap, generated, original = Capture(), [], module.online.sampler
 
     def spy(batch, io, **kwargs):  # every generation round (refills too), with its RL step
         rollout, stats = original(batch, io, **kwargs)
@@ -579,9 +579,9 @@ def test_mask_truncated_zeroes_truncated_rows(tmp_path):
     def experiment(trainer, module):
         batch = first_batch(trainer)
         rollout = sample(module, batch)
-        module.sampler.mask_truncated = False
+        module.online.sampler.mask_truncated = False
         plain = sample(module, batch)
-        module.sampler.mask_truncated = True
+        module.online.sampler.mask_truncated = True
         rollout.advantages = torch.randn(len(rollout), generator=torch.Generator().manual_seed(0))
         update(module, rollout)
         return rollout, plain, grads(module)

@@ -11,6 +11,7 @@ from lightning_rl.algorithms.assembly import objective_stages
 from lightning_rl.algorithms.options import FilterOptions, ObjectiveOptions, SamplingOptions, UpdateOptions
 from lightning_rl.algorithms.presets import preset_defaults, with_changes
 from lightning_rl.maths.objective import Objective
+from lightning_rl.maths.penalties import AdaptiveKL
 from lightning_rl.models.critic import CriticOptions
 
 ONLINE_KEYS = ["policy", "sampling", "rewards", "episodes", "objective", "advantage", "filters", "logprobs",
@@ -52,7 +53,8 @@ def test_a_mapping_changes_fields_of_the_presets_group_and_keeps_the_rest():
     (lambda: UpdateOptions(epochs=0), "`model.update.epochs` must be >= 1, got 0"),
     (lambda: UpdateOptions(max_grad_norm=0.0), "`model.update.max_grad_norm` must be > 0 or null, got 0.0"),
     (lambda: FilterOptions(max_gen_batches=0), "`model.filters.max_gen_batches` must be >= 1, got 0"),
-    (lambda: ObjectiveOptions(kl_target=0.1), "`model.objective.kl_target`"),
+    (lambda: ObjectiveOptions(kl_in_reward=AdaptiveKL(0.1)),
+     "`model.objective.kl_in_reward: AdaptiveKL` needs"),
     (lambda: ObjectiveOptions(aggregation="seq-mean-token-sum-norm", aggregation_length=0),
      "`model.objective.aggregation_length` must be >= 1 or null, got 0"),
     (lambda: ObjectiveOptions(aggregation_length=64),
@@ -94,12 +96,12 @@ def test_the_online_module_normalises_by_its_completion_budget():
 def test_an_explicit_option_that_another_would_override_is_refused_naming_both_keys():
     """The KL in the reward needs the trained policy's own log-probs (``recompute``): ``auto`` and
     ``recompute`` follow it; an explicit other source was once replaced silently, now refused."""
-    from lightning_rl.algorithms.online import behaviour_source
+    from lightning_rl.algorithms.assembly import behaviour_source
 
     assert behaviour_source("auto", kl_in_reward=True) == "recompute"
     assert behaviour_source("recompute", kl_in_reward=True) == "recompute"
     assert behaviour_source("on_policy", kl_in_reward=False) == "on_policy"
     for explicit in ("on_policy", "from_engine"):
-        with pytest.raises(ValueError, match=rf"`model.objective.kl_in_reward: true`.*"
+        with pytest.raises(ValueError, match=rf"`model.objective.kl_in_reward`.*"
                                              rf"`model.logprobs.behaviour: {explicit}`"):
             behaviour_source(explicit, kl_in_reward=True)

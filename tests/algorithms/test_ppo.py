@@ -22,7 +22,7 @@ from lightning_rl.maths.advantages import (
     token_rewards,
     whiten,
 )
-from lightning_rl.maths.penalties import adaptive_kl_coef
+from lightning_rl.maths.penalties import AdaptiveKL, FixedKL, adaptive_kl_coef
 from lightning_rl.step.estimators import GAE
 
 HERE = Path(__file__).resolve().parents[1]  # tests/
@@ -96,12 +96,19 @@ def test_ppo_takes_one_sample_per_prompt_and_validates_its_keys():
     for key, value in bad.items():
         with pytest.raises(ValueError, match=f"model.critic.{key}"):
             make(PPO, critic={key: value})
-    with pytest.raises(ValueError, match="model.objective.kl_target"):
-        make(PPO, objective={"kl_in_reward": False, "kl_target": 0.1})
+    with pytest.raises(ValueError, match=r"`model.objective.kl_in_reward.target` must be > 0"):
+        AdaptiveKL(target=0.0)
+    with pytest.raises(ValueError, match=r"`model.objective.kl_in_reward.horizon` must be >= 1"):
+        AdaptiveKL(target=0.1, horizon=0)
+    with pytest.raises(ValueError, match=r"`model.objective.kl_in_reward: AdaptiveKL` needs "
+                                         r"`model.objective.kl_coef` > 0"):
+        make(PPO, objective={"kl_in_reward": AdaptiveKL(0.1), "kl_coef": 0.0})
+    with pytest.raises(TypeError, match="target"):  # the adaptive options exist only on AdaptiveKL
+        FixedKL(target=0.1)
     # KL in the reward needs a reference but no in-loss term; in the loss, the other way round
     in_reward = make(PPO, objective={"kl_coef": 0.05})
     assert in_reward.reference_policy() is not None and in_reward.objective.kl_coef == 0.0
-    in_loss = make(PPO, objective={"kl_in_reward": False, "kl_coef": 0.05})
+    in_loss = make(PPO, objective={"kl_in_reward": None, "kl_coef": 0.05})
     assert in_loss.reference_policy() is not None and in_loss.objective.kl_coef == 0.05
     assert make(PPO, objective={"kl_coef": 0.0}).reference_policy() is None
 
@@ -189,8 +196,9 @@ model:
     update:
       num_minibatches: 2
     objective:
-      kl_target: 0.001
-      kl_horizon: 10
+      kl_in_reward:
+        class_path: AdaptiveKL
+        init_args: {{target: 0.001, horizon: 10}}
     critic:
       warmup: 1
 data:

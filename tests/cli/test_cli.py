@@ -98,7 +98,7 @@ def test_a_yaml_setting_one_field_of_a_group_keeps_the_presets_others(tmp_path, 
     cli = LightningRLCLI(args=["--config", str(CONFIGS / "dapo.yaml"), "--config", str(overlay),
                                "--trainer.logger.init_args.save_dir", str(tmp_path)], run=False)
     objective = cli.model.objective
-    assert objective.kl_coef == 0.01 and cli.model.needs_reference
+    assert objective.kl_coef == 0.01 and cli.model.online.needs_reference
     assert objective.trust_region == Clip(low=0.2, high=0.28) and objective.aggregation == "token-mean"
     # one option of the trust region changed: the preset's other options and its class are kept
     high = tmp_path / "high.yaml"

@@ -29,6 +29,7 @@ FILES = {
                        "      init_args:\n        num_sampels: 3\n"),
     # flat keys from before the option groups
     "old_flat.yaml": "model:\n  init_args:\n    temperature: 0.5\n",
+    "old_kl.yaml": "model:\n  init_args:\n    objective:\n      kl_in_reward: true\n",
     "old_ppo.yaml": ("model:\n  init_args:\n    critic_optimizer:\n      class_path: torch.optim.AdamW\n"
                      "      init_args:\n        lr: 5.0e-4\n"),
     "old_dpo.yaml": "model:\n  init_args:\n    max_new_tokens: 8\n",
@@ -107,8 +108,14 @@ CASES = {
                                  "`model.init_args.objective.trust_region.init_args.coef` (of KLCov)"]),
     "trust_region_by_old_name": (["fit", "--config", GRPO, "--model.init_args.objective.trust_region",
                                   "soft_gate"],
-                                 ["`model.init_args.objective.trust_region.class_path` = 'soft_gate'",
+                                 ["`model.init_args.objective.trust_region` = 'soft_gate'",
                                   "`class_path: lightning_rl.maths.trust_regions.SoftGate`"]),
+    "kl_in_reward_old_value": (["fit", "--config", str(CONFIGS / "ppo.yaml"), "--config", "old_kl.yaml"],
+                               ["`model.init_args.objective.kl_in_reward` = 'True' (in old_kl.yaml, line 4)",
+                                "`kl_in_reward: FixedKL`"]),
+    "kl_target_moved": (["fit", "--config", str(CONFIGS / "ppo.yaml"),
+                         "--model.init_args.objective.kl_target", "0.1"],
+                        ["is now `model.init_args.objective.kl_in_reward.init_args.target` (of AdaptiveKL)"]),
     "another_regions_option": (["fit", "--config", GRPO,
                                 "--model.init_args.objective.trust_region.init_args.tau_pos", "2"],
                                ["`model.init_args.objective.trust_region.init_args.tau_pos`",

@@ -167,7 +167,7 @@ def test_gradient_with_the_correction_does_not_depend_on_micro_batch_size(tmp_pa
         rollout.old_logp = logprobs(module, rollout)
         rollout.rollout_logp = rollout.old_logp + 0.3 * torch.randn(rollout.old_logp.shape, generator=g) \
             * rollout.attention_mask
-        rollout, stats = module.correction(rollout)
+        rollout, stats = module.online.correction(rollout)
         assert rollout.is_weights is not None
         _check_the_bounds_bite(rollout, stats, options)
         update(module, rollout)
@@ -198,7 +198,7 @@ def test_the_correction_in_the_loss_equals_a_behaviour_pass_and_the_stage(tmp_pa
     grads = {}
     for way in ("pass", "loss"):
         staged = dataclasses.replace(rollout, old_logp=current if way == "pass" else None)
-        staged, stats = module.correction(staged)
+        staged, stats = module.online.correction(staged)
         assert (staged.is_weights is not None) == (way == "pass")
         if way == "pass":
             _check_the_bounds_bite(staged, stats, options)

@@ -238,6 +238,6 @@ def test_the_gdpo_example_builds_gdpo_over_grpo_through_the_cli(tmp_path):
     cli = LightningRLCLI(args=["--config", str(CONFIGS / "grpo.yaml"), "--config",
                                str(CONFIGS / "examples" / "gdpo.yaml"),
                                "--trainer.logger.init_args.save_dir", str(tmp_path)], run=False)
-    assert isinstance(cli.model.advantage, GDPO) and cli.model.advantage.decouple_eps == 1e-4
+    assert isinstance(cli.model.online.advantage, GDPO) and cli.model.online.advantage.decouple_eps == 1e-4
     assert "GDPO" in cli.model.reward_pipeline.outcome_name()
     assert cli.model.objective.kl_coef == 0.04  # configs/grpo.yaml's, kept

@@ -21,9 +21,9 @@ from lightning_rl.maths.aggregation import masked_mean
 from lightning_rl.models.generation import Generation, SamplingParams
 from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.logprobs import BehaviourLogProbs, FrozenLogProbs
+from lightning_rl.step.policy_loss import micro_batch_policy_loss
 from lightning_rl.step.rollout import Rollout
 from lightning_rl.step.selection import score_with_entropy
-from lightning_rl.step.update import micro_batch_policy_loss
 
 
 def fake_rollout(rows: int = 4, width: int = 3, temperature: float = 0.7) -> Rollout:

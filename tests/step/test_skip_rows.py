@@ -21,8 +21,9 @@ from test_online_rl import AGGS, grads, max_diff, norm, prepare_rollout, probe  
 from lightning_rl.algorithms import OnlineRL  # noqa: E402
 from lightning_rl.maths.trust_regions import Clip
 from lightning_rl.step.filters import DropUniformGroups  # noqa: E402
+from lightning_rl.step.policy_loss import policy_rows  # noqa: E402
 from lightning_rl.step.rollout import Rollout  # noqa: E402
-from lightning_rl.step.update import policy_rows, token_bins  # noqa: E402
+from lightning_rl.step.update import token_bins  # noqa: E402
 
 
 def rollout_of(prompt_mask, attention_mask, advantages) -> Rollout:
