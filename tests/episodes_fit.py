@@ -90,7 +90,7 @@ def main() -> None:
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=out, callbacks=[record], val_check_interval=2,
                         check_val_every_n_epoch=None, num_sanity_val_steps=1)
-    common = dict(policy={"model": "builtin:tiny-sort", "max_prompt_length": 16, "fsdp_param_dtype": None},
+    common = dict(policy={"model": "builtin:tiny-sort", "max_prompt_length": 16},
                   sampling={"max_new_tokens": 8, "num_generations": 2},
                   episodes={"environment": Uneven(), "max_turns": 3}, update={"micro_batch_size": 3},
                   optimizer=partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.0))

@@ -115,7 +115,7 @@ def build(mode: str, out: str):
     if mode in ("dapo", "dapo_kl"):
         # dapo_kl: LoRA, a KL reference that runs the sharded weights with adapters off, and 2 minibatches
         # (behaviour log-probs): every scoring pass has a rank-dependent number of rows
-        policy = {"model": "builtin:tiny-sort", "max_prompt_length": 16, "fsdp_param_dtype": None}
+        policy = {"model": "builtin:tiny-sort", "max_prompt_length": 16}
         update, objective = {"micro_batch_size": 4}, {}
         if mode == "dapo_kl":
             objective["kl_coef"], update["num_minibatches"] = 0.1, 2
@@ -140,7 +140,7 @@ def build(mode: str, out: str):
                      validation=ValidationOptions(max_new_tokens=8), max_completion_length=10,
                      optimizer=partial(torch.optim.SGD, lr=0.1))
         return module, PreferenceDataModule(path=path, batch_size=1, val_batch_size=1, val_fraction=0.375)
-    policy, lora = {"model": "builtin:tiny-sort", "max_prompt_length": 16, "fsdp_param_dtype": None}, {}
+    policy, lora = {"model": "builtin:tiny-sort", "max_prompt_length": 16}, {}
     if mode == "lora":
         policy["peft"] = {"class_path": "peft.LoraConfig", "init_args": {
             "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj", "down_proj"]}}

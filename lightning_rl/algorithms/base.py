@@ -27,7 +27,6 @@ from lightning_rl.models.adapters import allow_missing_frozen, drop_frozen_weigh
 from lightning_rl.models.generation import SamplingParams
 from lightning_rl.models.loading import load_policy, with_adapters
 from lightning_rl.models.prompt_codec import PromptCodec
-from lightning_rl.models.sharding import validate_fsdp_args
 from lightning_rl.step.engine import HFEngine, RolloutEngine
 from lightning_rl.step.rewards import import_reward
 
@@ -64,7 +63,6 @@ class PolicyModule(TrainedModule):
         super().__init__()
         self.policy_options = policy
         self.engine = engine if engine is not None else HFEngine()
-        validate_fsdp_args(policy.fsdp_param_dtype, policy.fsdp_reduce_dtype)
         loaded = load_policy(policy.model, policy.dtype, policy.trust_remote_code)
         self.policy = with_adapters(loaded, policy.peft, policy.export_merged)
         if is_peft_model(self.policy.model):  # checkpoints of a PEFT model hold the adapters only
@@ -80,8 +78,7 @@ class PolicyModule(TrainedModule):
         self.accuracy_fn = import_reward(self.accuracy_name)
         self.correctness_fn = self.accuracy_fn  # RL modules: the rollouts' correctness, if set apart
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
-        self.fsdp_cpu_offload = policy.fsdp_cpu_offload
-        self.fsdp_param_dtype, self.fsdp_reduce_dtype = policy.fsdp_param_dtype, policy.fsdp_reduce_dtype
+        self.fsdp = policy.fsdp
 
     @property
     def tokenizer(self) -> Any:

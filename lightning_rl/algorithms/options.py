@@ -15,6 +15,7 @@ from lightning_rl.maths.checks import require as require_in
 from lightning_rl.maths.covariance_regions import ClipCov, KLCov
 from lightning_rl.maths.objective import Objective
 from lightning_rl.maths.penalties import AdaptiveKL, KLController
+from lightning_rl.models.sharding import FSDPOptions
 from lightning_rl.step.correction import RolloutCorrection
 from lightning_rl.step.filters import RolloutFilter
 from lightning_rl.step.logprobs import BehaviourSource
@@ -50,9 +51,9 @@ class PolicyOptions:
             From Python a ``peft.PeftConfig`` instance works too. Needs ``pip install 'lightning-rl[peft]'``.
         export_merged: with adapters, the exported policy folder holds the merged weights instead of the
             adapter folder.
-        fsdp_cpu_offload: under FSDP2, keep sharded parameters, gradients and optimiser state in CPU memory.
-        fsdp_param_dtype: under FSDP2, the compute dtype of gathered parameters (``None``: the weights').
-        fsdp_reduce_dtype: under FSDP2, the dtype of the gradient reduce-scatter (``None``: the param dtype).
+        fsdp: under FSDP2, CPU offload and the mixed-precision dtypes
+            (:class:`~lightning_rl.models.sharding.FSDPOptions`: ``cpu_offload``, ``param_dtype``,
+            ``reduce_dtype``); ``null``: FSDP2's defaults.
     """
 
     model: str = "builtin:tiny-sort"
@@ -63,9 +64,7 @@ class PolicyOptions:
     max_prompt_length: int = 512
     peft: dict[str, Any] | None = None
     export_merged: bool = False
-    fsdp_cpu_offload: bool = False
-    fsdp_param_dtype: str | None = None
-    fsdp_reduce_dtype: str | None = None
+    fsdp: FSDPOptions | None = None
 
     def __post_init__(self) -> None:
         require("policy", max_prompt_length=(self.max_prompt_length >= 1, self.max_prompt_length, ">= 1"))

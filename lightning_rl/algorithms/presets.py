@@ -46,6 +46,10 @@ def with_changes(cls: type, changes: dict[str, Any]) -> dict[str, Any]:
 
 
 POLICY_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(PolicyOptions))
+# The FSDP2 options when they were flat keys of `policy` (or of the module), and where they are now
+FSDP_MOVED_KEYS: dict[str, str] = {
+    **{f"fsdp_{k}": f"policy.fsdp.{k}" for k in ("cpu_offload", "param_dtype", "reduce_dtype")},
+    **{f"policy.fsdp_{k}": f"policy.fsdp.{k}" for k in ("cpu_offload", "param_dtype", "reduce_dtype")}}
 # The trust regions when they were names, and the class each is now
 MOVED_TRUST_REGIONS: dict[str, str] = {
     **{name: f"lightning_rl.maths.trust_regions.{cls}" for name, cls in
@@ -77,12 +81,12 @@ OBJECTIVE_MOVED_KEYS: dict[str, str] = {
 }
 # SFT / DPO (PolicyModule): each flat key before the option groups, and where it is now
 BASE_MOVED_KEYS: dict[str, str] = {
-    **{key: f"policy.{key}" for key in POLICY_KEYS},
+    **{key: f"policy.{key}" for key in POLICY_KEYS}, **FSDP_MOVED_KEYS,
     **{key: f"validation.{key}" for key in ("max_new_tokens", "accuracy_fn")},
 }
 # Each flat key of the online family before the option groups, and where it is now (under model.init_args)
 ONLINE_MOVED_KEYS: dict[str, str] = {
-    **{key: f"policy.{key}" for key in POLICY_KEYS},
+    **{key: f"policy.{key}" for key in POLICY_KEYS}, **FSDP_MOVED_KEYS,
     **{key: f"sampling.{key}" for key in ("num_generations", "max_new_tokens", "temperature", "top_p",
                                            "top_k", "share_prompt_prefix")},
     "rollout_seed": "sampling.seed",

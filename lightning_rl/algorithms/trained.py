@@ -24,7 +24,7 @@ from lightning_rl.algorithms.optimiser_steps import lightning_optimisers
 from lightning_rl.algorithms.presets import with_changes
 from lightning_rl.algorithms.validation_means import ValidationMeans
 from lightning_rl.models.adapters import trainable_parameters
-from lightning_rl.models.sharding import refuse_fsdp1, shard_policy_model, strategy_is
+from lightning_rl.models.sharding import FSDPOptions, refuse_fsdp1, shard_policy_model, strategy_is
 from lightning_rl.models.strategies import fill_deepspeed_config
 from lightning_rl.step.rng import restore_rng_states
 
@@ -36,9 +36,7 @@ class TrainedModule(L.LightningModule):
     policy: Any
     optimizer_factory: Any
     scheduler_factory: Any = None
-    fsdp_cpu_offload: bool = False  # FSDP2 settings (PolicyModule reads them from `policy` options)
-    fsdp_param_dtype: str | None = None
-    fsdp_reduce_dtype: str | None = None
+    fsdp: FSDPOptions | None = None  # how FSDP2 holds the weights (PolicyModule's from `policy.fsdp`)
     export_merged: bool = False
 
     def __init__(self) -> None:
@@ -67,8 +65,7 @@ class TrainedModule(L.LightningModule):
         if mesh is None:
             return
         for model in [self.policy.model, *(c.module.model for c in self.companions().values())]:
-            shard_policy_model(model, mesh, cpu_offload=self.fsdp_cpu_offload,
-                               param_dtype=self.fsdp_param_dtype, reduce_dtype=self.fsdp_reduce_dtype)
+            shard_policy_model(model, mesh, self.fsdp)
 
     reference_stages: tuple[str, ...] = ()  # trainer stages (fit, validate) that use a frozen reference
 

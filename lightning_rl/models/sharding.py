@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_rl.maths.checks import require
 from lightning_rl.models.adapters import is_peft_model, merged_model
 from lightning_rl.models.model_utils import DTYPES
 
@@ -40,11 +42,26 @@ FSDP2_OVERLAY = "configs/strategy/fsdp2.yaml"
 SHARDED_STRATEGIES = ("ModelParallelStrategy", "FSDPStrategy", "DeepSpeedStrategy")
 
 
-def validate_fsdp_args(param_dtype: str | None, reduce_dtype: str | None) -> None:
-    """Config errors naming the YAML key."""
-    for key, value in {"fsdp_param_dtype": param_dtype, "fsdp_reduce_dtype": reduce_dtype}.items():
-        if value is not None and value not in DTYPES:
-            raise ValueError(f"`model.policy.{key}` must be one of {sorted(DTYPES)} or null, got {value!r}")
+@dataclass(frozen=True)
+class FSDPOptions:
+    """How FSDP2 holds the trained weights (``model.init_args.policy.fsdp``; the critic's too): ``null``
+    there is FSDP2's defaults (on the device, in the weights' dtype).
+
+    Args:
+        cpu_offload: keep sharded parameters, gradients and optimiser state in CPU memory.
+        param_dtype: the compute dtype of gathered parameters (``None``: the weights').
+        reduce_dtype: the dtype of the gradient reduce-scatter (``None``: the param dtype).
+    """
+
+    cpu_offload: bool = False
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        allowed = f"one of {sorted(DTYPES)} or null"
+        require("model.policy.fsdp",
+                param_dtype=(self.param_dtype in (None, *DTYPES), self.param_dtype, allowed),
+                reduce_dtype=(self.reduce_dtype in (None, *DTYPES), self.reduce_dtype, allowed))
 
 
 def fsdp_module_class() -> type:
@@ -138,10 +155,7 @@ def refuse_fsdp1(strategy: Any) -> None:
         )
 
 
-def shard_policy_model(
-    model: nn.Module, device_mesh: Any, *, cpu_offload: bool = False, param_dtype: str | None = None,
-    reduce_dtype: str | None = None,
-) -> bool:
+def shard_policy_model(model: nn.Module, device_mesh: Any, options: FSDPOptions | None = None) -> bool:
     """``fully_shard`` each decoder layer of ``model``, then ``model`` itself, on the data-parallel mesh.
 
     Idempotent: a model that is already an ``FSDPModule`` is left as it is (``configure_model`` runs
@@ -152,8 +166,7 @@ def shard_policy_model(
     Args:
         model: the policy's causal LM, or a ``peft.PeftModel`` around one.
         device_mesh: Lightning's 2-D mesh (``data_parallel``, ``tensor_parallel``) or a 1-D mesh.
-        cpu_offload: keep sharded parameters, gradients and optimiser state in CPU memory.
-        param_dtype, reduce_dtype: ``MixedPrecisionPolicy`` dtypes (compute / gradient reduction).
+        options: CPU offload and the ``MixedPrecisionPolicy`` dtypes (``None``: FSDP2's defaults).
 
     Returns:
         True when this call sharded the model, False when it already was.
@@ -166,7 +179,9 @@ def shard_policy_model(
     root = model.get_base_model() if is_peft_model(model) else model
     if isinstance(root, fsdp_module_class()):
         return False
-    kwargs = _fully_shard_kwargs(_data_parallel_mesh(device_mesh), cpu_offload, param_dtype, reduce_dtype)
+    o = options or FSDPOptions()
+    mesh = _data_parallel_mesh(device_mesh)
+    kwargs = _fully_shard_kwargs(mesh, o.cpu_offload, o.param_dtype, o.reduce_dtype)
     for layer in decoder_layers(model):
         if not isinstance(layer, fsdp_module_class()):
             fully_shard(layer, **kwargs)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from rank_jobs import run_here
 
-from lightning_rl.models.sharding import decoder_layers, needs_synced_generation, refuse_fsdp1
+from lightning_rl.models.sharding import FSDPOptions, decoder_layers, needs_synced_generation, refuse_fsdp1
 
 distributed = pytest.mark.distributed
 
@@ -160,10 +160,10 @@ def test_fsdp_dtypes_are_validated_naming_the_key():
     from lightning_rl.algorithms import GRPO
     from lightning_rl.algorithms.options import PolicyOptions
 
-    with pytest.raises(ValueError, match="model.policy.fsdp_param_dtype"):
-        GRPO(policy=PolicyOptions(fsdp_param_dtype="fp8"))
-    with pytest.raises(ValueError, match="model.policy.fsdp_reduce_dtype"):
-        GRPO(policy=PolicyOptions(fsdp_reduce_dtype="half"))
+    with pytest.raises(ValueError, match=r"`model.policy.fsdp.param_dtype` must be one of .* got 'fp8'"):
+        GRPO(policy=PolicyOptions(fsdp=FSDPOptions(param_dtype="fp8")))
+    with pytest.raises(ValueError, match="`model.policy.fsdp.reduce_dtype` must be"):
+        FSDPOptions(reduce_dtype="half")
 
 
 def test_decoder_layers_and_synced_generation_rule():
