@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_rl.algorithms import DAPO, DPO
-from lightning_rl.algorithms.options import PolicyOptions, SamplingOptions
+from lightning_rl.algorithms.options import PolicyOptions
+from lightning_rl.algorithms.sampler_options import SamplingOptions
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.data import PromptDataModule
 from lightning_rl.data.preference import PreferenceDataModule

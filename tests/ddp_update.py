@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_rl.algorithms import GRPO
-from lightning_rl.algorithms.options import PolicyOptions, SamplingOptions, UpdateOptions
+from lightning_rl.algorithms.learner_options import UpdateOptions
+from lightning_rl.algorithms.options import PolicyOptions
+from lightning_rl.algorithms.sampler_options import SamplingOptions
 from lightning_rl.data import PromptDataModule
 from lightning_rl.maths.covariance_regions import ClipCov, KLCov
 from lightning_rl.maths.objective import Objective

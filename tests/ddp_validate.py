@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_rl.algorithms import GRPO
-from lightning_rl.algorithms.options import PolicyOptions, SamplingOptions
+from lightning_rl.algorithms.options import PolicyOptions
+from lightning_rl.algorithms.sampler_options import SamplingOptions
 from lightning_rl.data import PromptDataModule
 
 

@@ -14,16 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_rl.algorithms.online_step import OnlineStep
-from lightning_rl.algorithms.options import (
-    EpisodeOptions,
+from lightning_rl.algorithms.learner_options import (
     FilterOptions,
     LogProbOptions,
     ObjectiveOptions,
-    RewardOptions,
-    SamplingOptions,
     UpdateOptions,
 )
+from lightning_rl.algorithms.online_step import OnlineStep
+from lightning_rl.algorithms.sampler_options import EpisodeOptions, RewardOptions, SamplingOptions
 from lightning_rl.episodes.async_source import AsyncRollouts
 from lightning_rl.episodes.runner import EpisodeRunner, episode_runner
 from lightning_rl.episodes.sampler import Sampler

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_rl.algorithms.learner_options import FilterOptions, ObjectiveOptions
 from lightning_rl.algorithms.online import OnlineRL
-from lightning_rl.algorithms.options import FilterOptions, ObjectiveOptions, RewardOptions
+from lightning_rl.algorithms.sampler_options import RewardOptions
 from lightning_rl.maths.trust_regions import Clip
 
 

@@ -23,8 +23,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from lightning_rl.algorithms.learner_options import ObjectiveOptions
 from lightning_rl.algorithms.online import OnlineRL
-from lightning_rl.algorithms.options import ObjectiveOptions, SamplingOptions
+from lightning_rl.algorithms.sampler_options import SamplingOptions
 from lightning_rl.maths.advantages import distillation_advantages
 from lightning_rl.maths.checks import require
 from lightning_rl.models.loading import load_policy

@@ -30,20 +30,17 @@ from lightning_rl.algorithms import assembly
 from lightning_rl.algorithms.ahead import start_worker
 from lightning_rl.algorithms.base import PolicyModule
 from lightning_rl.algorithms.checkpoint_state import CheckpointState
-from lightning_rl.algorithms.online_step import StepField
-from lightning_rl.algorithms.optimiser_steps import OptimiserSteps
-from lightning_rl.algorithms.options import (
-    EpisodeOptions,
+from lightning_rl.algorithms.learner_options import (
     FilterOptions,
     LogProbOptions,
     ObjectiveOptions,
-    PolicyOptions,
-    RewardOptions,
-    SamplingOptions,
     UpdateOptions,
-    ValidationOptions,
 )
+from lightning_rl.algorithms.online_step import StepField
+from lightning_rl.algorithms.optimiser_steps import OptimiserSteps
+from lightning_rl.algorithms.options import PolicyOptions, ValidationOptions
 from lightning_rl.algorithms.presets import ONLINE_MOVED_KEYS
+from lightning_rl.algorithms.sampler_options import EpisodeOptions, RewardOptions, SamplingOptions
 from lightning_rl.algorithms.step_observer import StepObserver
 from lightning_rl.step.collectives import Collectives
 from lightning_rl.step.engine import RolloutEngine

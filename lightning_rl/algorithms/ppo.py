@@ -14,10 +14,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from lightning_rl.algorithms.learner_options import ObjectiveOptions
 from lightning_rl.algorithms.online import OnlineRL
 from lightning_rl.algorithms.optimiser_steps import Companion
-from lightning_rl.algorithms.options import ObjectiveOptions, SamplingOptions
 from lightning_rl.algorithms.presets import PPO_MOVED_KEYS
+from lightning_rl.algorithms.sampler_options import SamplingOptions
 from lightning_rl.maths.penalties import FixedKL
 from lightning_rl.models.critic import CriticOptions, load_critic
 from lightning_rl.models.model_utils import enable_gradient_checkpointing

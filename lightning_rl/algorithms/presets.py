@@ -12,7 +12,8 @@ import dataclasses
 import inspect
 from typing import Any
 
-from lightning_rl.algorithms.options import ObjectiveOptions, PolicyOptions
+from lightning_rl.algorithms.learner_options import ObjectiveOptions
+from lightning_rl.algorithms.options import PolicyOptions
 
 
 def preset_defaults(cls: type) -> dict[str, Any]:

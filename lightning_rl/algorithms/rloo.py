@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_rl.algorithms.learner_options import ObjectiveOptions
 from lightning_rl.algorithms.online import OnlineRL
-from lightning_rl.algorithms.options import ObjectiveOptions
 from lightning_rl.step.estimators import AdvantageEstimator, LeaveOneOut
 
 

@@ -8,8 +8,9 @@ import pytest
 
 from lightning_rl.algorithms import DAPO, GRPO, GSPO, PPO, RLOO, SAPO, OnlineRL
 from lightning_rl.algorithms.assembly import objective_stages
-from lightning_rl.algorithms.options import FilterOptions, ObjectiveOptions, SamplingOptions, UpdateOptions
+from lightning_rl.algorithms.learner_options import FilterOptions, ObjectiveOptions, UpdateOptions
 from lightning_rl.algorithms.presets import preset_defaults, with_changes
+from lightning_rl.algorithms.sampler_options import SamplingOptions
 from lightning_rl.maths.objective import Objective
 from lightning_rl.maths.penalties import AdaptiveKL
 from lightning_rl.models.critic import CriticOptions

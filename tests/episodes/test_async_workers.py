@@ -25,7 +25,7 @@ from helpers import CONFIGS, ROOT, gone, make, scalars
 from test_async_sampling import fit
 
 from lightning_rl.algorithms import GRPO
-from lightning_rl.algorithms.options import SamplingOptions
+from lightning_rl.algorithms.sampler_options import SamplingOptions
 from lightning_rl.callbacks.base import RLCallback
 from lightning_rl.step.engine import HFEngine, seeded
 

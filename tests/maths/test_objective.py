@@ -522,7 +522,8 @@ def test_kl_on_without_reference_at_call_names_kl_coef():
 
 def test_algorithm_presets_build_these_objectives():
     from lightning_rl.algorithms import DAPO, GRPO, GSPO, SAPO
-    from lightning_rl.algorithms.options import PolicyOptions, SamplingOptions
+    from lightning_rl.algorithms.options import PolicyOptions
+    from lightning_rl.algorithms.sampler_options import SamplingOptions
 
     common = dict(policy=PolicyOptions(model="builtin:tiny-sort", max_prompt_length=16),
                   sampling=SamplingOptions(max_new_tokens=8, num_generations=2))

@@ -143,7 +143,7 @@ def test_unsafe_reward_functions_are_refused_by_the_tools_rule_naming_key_and_en
 @pytest.mark.parametrize("key", ["correctness_fn", "accuracy_fn"])
 def test_an_unsafe_correctness_or_accuracy_fn_is_refused_naming_its_key(key):
     from lightning_rl.algorithms.assembly import reward_stages
-    from lightning_rl.algorithms.options import RewardOptions
+    from lightning_rl.algorithms.sampler_options import RewardOptions
 
     with pytest.raises(ValueError, match=rf"^reward function `os:popen` \(`model.rewards.{key}`\) is "
                                          r"`os.popen`, which runs commands: "):

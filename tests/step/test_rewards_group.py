@@ -187,7 +187,7 @@ def test_gdpo_estimator_needs_the_decoupled_sums():
 @pytest.mark.slow  # imports the algorithms layer (~5 s)
 def test_gdpo_refuses_rewards_it_would_leave_out():
     from lightning_rl.algorithms.assembly import reward_stages
-    from lightning_rl.algorithms.options import RewardOptions
+    from lightning_rl.algorithms.sampler_options import RewardOptions
 
     with pytest.raises(ValueError, match="`model.rewards.overlong_buffer` would be left out"):
         reward_stages(RewardOptions(overlong_buffer=2), environment_only=False, budget=8, render=None,
