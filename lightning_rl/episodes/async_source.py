@@ -221,7 +221,8 @@ class AsyncRollouts:
         return item
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.restored = [from_state(item) for item in state.get("rollouts", [])]
+        temperature = self.source.sampler.sampling.temperature
+        self.restored = [from_state(item, temperature) for item in state.get("rollouts", [])]
         self.refills, self.loaded = int(state.get("refills", 0)), True
 
     def close(self) -> None:
@@ -239,11 +240,13 @@ def as_state(item: Sampled) -> dict[str, Any]:
             "stats": dict(item.stats), "refills": item.refills, "outcomes": item.outcomes}
 
 
-def from_state(state: dict[str, Any]) -> Sampled:
+def from_state(state: dict[str, Any], temperature: float) -> Sampled:
     """A sampled-ahead rollout of a checkpoint. A field an older record had and this one has not (a frozen
     model's log-probs before ``Rollout.frozen_logp``) is left out: the learner's stage scores what is
-    missing."""
+    missing. A record from before rollouts carried their temperature was drawn at the run's
+    ``temperature``."""
     names = {f.name for f in fields(Rollout)}
-    rollout = Rollout(**{name: value for name, value in state["rollout"].items() if name in names})
+    saved = {"temperature": temperature, **state["rollout"]}
+    rollout = Rollout(**{name: value for name, value in saved.items() if name in names})
     return Sampled(state["step"], state["version"], state["prompts"], rollout, state["stats"],
                    state["refills"], state.get("outcomes"))

@@ -47,7 +47,7 @@ def test_a_frozen_models_logprobs_travel_with_their_rows():
     assert torch.equal(joined.frozen_logp["judge_lm"][:4, :3], scores)
     assert torch.equal(joined.frozen_logp["judge_lm"][:4, 3:], torch.zeros(4, 2))
     for kept in (pickle.loads(pickle.dumps(rollout)), rollout_to(rollout, "meta"),
-                 from_state(as_state(Sampled(3, 2, ["p"] * 2, rollout, {}, 0))).rollout):
+                 from_state(as_state(Sampled(3, 2, ["p"] * 2, rollout, {}, 0)), 1.0).rollout):
         assert kept.frozen_logp.keys() == {"judge_lm"} and kept.frozen_logp["judge_lm"].shape == (4, 3)
     assert rollout_to(rollout, "meta").frozen_logp["judge_lm"].device.type == "meta"
 
@@ -62,7 +62,7 @@ def test_a_checkpoint_of_an_older_record_loads_and_leaves_the_scoring_to_the_lea
     the field is left out, so the learner's stage scores that model again."""
     state = as_state(Sampled(3, 2, ["p"] * 2, fake_rollout(frozen_logp={}), {}, 0))
     state["rollout"]["teacher_logp"] = torch.zeros(4, 3)
-    assert from_state(state).rollout.frozen_logp == {}
+    assert from_state(state, 1.0).rollout.frozen_logp == {}
 
 
 class Scores:

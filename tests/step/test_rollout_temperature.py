@@ -46,8 +46,12 @@ def test_a_rollout_keeps_its_temperature_through_select_trim_cat_and_pickle():
             pickle.loads(pickle.dumps(rollout)), rollout_to(rollout, "cpu")]
     assert [r.temperature for r in kept] == [0.7] * len(kept)
     # a checkpoint of rollouts sampled ahead (plain types and tensors), and the worker's pickled message
-    restored = from_state(as_state(Sampled(3, 2, ["p"] * 2, rollout, {}, 0)))
-    assert restored.rollout.temperature == 0.7
+    restored = from_state(as_state(Sampled(3, 2, ["p"] * 2, rollout, {}, 0)), 1.0)
+    assert restored.rollout.temperature == 0.7  # the record's own, not the run's
+    # a checkpoint from before rollouts carried their temperature: drawn at the run's sampling temperature
+    old = as_state(Sampled(3, 2, ["p"] * 2, rollout, {}, 0))
+    del old["rollout"]["temperature"]
+    assert from_state(old, 0.7).rollout.temperature == 0.7
     message = pickle.loads(pickle.dumps(Sampled(3, 2, ["p"] * 2, rollout, {}, 0)))
     assert message.rollout.temperature == 0.7
 
